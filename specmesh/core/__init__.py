@@ -1,0 +1,1 @@
+"""Pure core: sampling, rejection sampling, proposers, stats. No grpc/redis/ray imports here."""

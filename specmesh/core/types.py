@@ -1,0 +1,92 @@
+"""Plain value types shared by the core, the engines and the servicers (never protobuf)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request sampling. temperature == 0 means greedy (argmax)."""
+
+    temperature: float = 0.0
+    top_p: float = 1.0  # nucleus mass kept, in (0, 1]
+    top_k: int = 0  # 0 = no top-k truncation
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+    def validate(self) -> None:
+        from specmesh.errors import InvalidArgument
+
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise InvalidArgument("temperature", "must be a finite number >= 0")
+        if not math.isfinite(self.top_p) or not 0.0 < self.top_p <= 1.0:
+            raise InvalidArgument("top_p", "must be in (0, 1]")
+        if self.top_k < 0:
+            raise InvalidArgument("top_k", "must be >= 0 (0 disables top-k)")
+
+
+@dataclass(frozen=True)
+class DraftProposal:
+    """k drafted tokens and, when the drafter has them, the distributions they were drawn from."""
+
+    token_ids: list[int]
+    # probs: [k, V] float32, row i = draft distribution q_i that token_ids[i] was sampled from
+    # (after the same temperature/top-k/top-p warping the target uses). None = point mass on
+    # each drafted token (n-gram lookup, or greedy drafting).
+    probs: torch.Tensor | None = None
+
+
+@dataclass(frozen=True)
+class VerifyOutcome:
+    """Result of verifying k drafted tokens: n accepted drafts, then one target token.
+
+    tokens = drafts[:n] + [t], where t is *recovered* (sampled from the residual at the first
+    rejection) when n < k, or the *bonus* token (sampled from the target at position k) when n == k.
+    """
+
+    accepted: int
+    tokens: list[int]
+    bonus: bool
+
+    @property
+    def recovered(self) -> bool:
+        return not self.bonus
+
+
+@dataclass
+class SpecStats:
+    """Per-request speculation statistics. mean acceptance length = tokens emitted per target step."""
+
+    rounds: int = 0  # target verify steps (prefill not counted)
+    drafted_tokens: int = 0
+    accepted_tokens: int = 0
+    emitted_tokens: int = 0  # tokens produced by verify rounds (accepted + one target token each)
+    accepted_per_position: list[int] = field(default_factory=list)  # [i] = rounds accepting draft i
+    drafted_per_position: list[int] = field(default_factory=list)  # [i] = rounds drafting position i
+    draft_failures: int = 0  # rounds that fell back to k=0 because the draft tier failed
+    draft_time_s: float = 0.0
+    verify_time_s: float = 0.0
+
+    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+        self.rounds += 1
+        self.drafted_tokens += drafted
+        self.accepted_tokens += accepted
+        self.emitted_tokens += emitted
+        grow = max(drafted, len(self.drafted_per_position))
+        self.drafted_per_position += [0] * (grow - len(self.drafted_per_position))
+        self.accepted_per_position += [0] * (grow - len(self.accepted_per_position))
+        for i in range(drafted):
+            self.drafted_per_position[i] += 1
+        for i in range(accepted):
+            self.accepted_per_position[i] += 1
+
+    @property
+    def mean_acceptance_length(self) -> float:
+        return self.emitted_tokens / self.rounds if self.rounds else 0.0
