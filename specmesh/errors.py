@@ -51,3 +51,7 @@ class FailedPrecondition(SpecmeshError):
 
 class Cancelled(SpecmeshError):
     code = "CANCELLED"
+
+
+class ModelIntegrityError(FailedPrecondition):
+    """Model files are missing, incomplete or corrupted (fix: run `specmesh fetch-model`)."""

@@ -1,0 +1,1 @@
+"""Draft models used by the draft worker (block drafter with causal injection)."""

@@ -1,0 +1,1 @@
+"""Model-side engine: loading, fetching, per-sequence KV and batched forwards (no grpc)."""

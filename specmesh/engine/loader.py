@@ -1,0 +1,112 @@
+"""Find, integrity-check and load a Hugging Face causal LM directory (cache or user-supplied)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from specmesh.engine.fetch import DEFAULT_MODEL, model_cache_dir
+from specmesh.engine.manifest import MANIFEST_NAME, verify_manifest
+from specmesh.errors import ModelIntegrityError
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+    "half": torch.float16,
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "float": torch.float32,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    """'bfloat16' | 'float16' | 'float32' (also bf16/fp16/fp32, 'torch.' prefix) -> torch.dtype."""
+    if isinstance(name, torch.dtype):
+        if name in _DTYPES.values():
+            return name
+        raise ValueError(f"unsupported dtype {name}; use bfloat16, float16 or float32")
+    key = str(name).strip().lower().removeprefix("torch.")
+    if key not in _DTYPES:
+        raise ValueError(f"unsupported dtype {name!r}; use bfloat16, float16 or float32")
+    return _DTYPES[key]
+
+
+def resolve_model_dir(name: str | None, path: str | None, home: Path | str | None = None) -> Path:
+    """The model directory to load: `path` if given, else the cache dir of `name` under home.
+
+    With neither, the default model's cache dir. Raises ModelIntegrityError if it is absent.
+    """
+    if path:
+        model_dir = Path(path).expanduser()
+        if not model_dir.is_dir():
+            raise ModelIntegrityError(f"model path {model_dir} is not a directory")
+        if not (model_dir / "config.json").is_file():
+            raise ModelIntegrityError(
+                f"model path {model_dir} has no config.json; expected a Hugging Face model "
+                "directory (config.json, *.safetensors, tokenizer files)"
+            )
+        return model_dir
+    name = name or DEFAULT_MODEL
+    model_dir = model_cache_dir(name, home)
+    if not model_dir.is_dir():
+        raise ModelIntegrityError(
+            f"model {name!r} is not in the cache ({model_dir} does not exist); run "
+            "`specmesh fetch-model` to download and convert it (set $SPECMESH_HOME to "
+            "change the cache location)"
+        )
+    return model_dir
+
+
+def check_model_dir(dir: Path | str, require_manifest: bool, progress: bool = False) -> None:
+    """Verify dir against its MANIFEST.sha256.
+
+    A directory without a manifest fails if require_manifest (specmesh-built caches always have
+    one), else only logs a warning (user-supplied checkouts, e.g. a Qwen3-8B download, have none).
+    """
+    model_dir = Path(dir)
+    if (model_dir / MANIFEST_NAME).is_file() or require_manifest:
+        verify_manifest(model_dir, progress=progress)
+        return
+    log.warning(
+        "%s has no %s; skipping the integrity check (user-supplied model directory)",
+        model_dir,
+        MANIFEST_NAME,
+    )
+
+
+def load_model(
+    dir: Path | str, dtype: str | torch.dtype = "bfloat16", device: str | torch.device | None = None
+) -> torch.nn.Module:
+    """AutoModelForCausalLM from a local dir: eval mode, no grads, SDPA attention."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            str(dir),
+            dtype=parse_dtype(dtype),
+            attn_implementation="sdpa",
+            local_files_only=True,
+        )
+    except OSError as exc:  # missing/unreadable weights or config
+        raise ModelIntegrityError(f"cannot load model from {dir}: {exc}") from exc
+    model.eval()
+    model.requires_grad_(False)
+    if device is not None:
+        model.to(device)
+    return model
+
+
+def load_tokenizer(dir: Path | str):
+    """AutoTokenizer (fast) from a local dir."""
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(dir), local_files_only=True)
+    except OSError as exc:
+        raise ModelIntegrityError(f"cannot load tokenizer from {dir}: {exc}") from exc
