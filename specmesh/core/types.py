@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import uuid
 from dataclasses import dataclass, field
 
 import torch
@@ -90,3 +91,15 @@ class SpecStats:
     @property
     def mean_acceptance_length(self) -> float:
         return self.emitted_tokens / self.rounds if self.rounds else 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: list[int]
+    max_tokens: int
+    params: SamplingParams
+    method: str  # "off" or a drafter name
+    k: int  # speculative tokens per round (0 = off)
+    stop: tuple[str, ...] = ()
+    deadline: float | None = None  # time.monotonic() by which the request must end
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)

@@ -211,7 +211,7 @@ class BlockDrafter(nn.Module):
         n, b = block_ids.shape
         c = ctx_feats.shape[1]
         dtype = self.fc.weight.dtype
-        ctx = self.ctx_norm(self.fc(ctx_feats.to(dtype)))  # [N, C, H]
+        ctx = self.ctx_norm(self.fc(ctx_feats.to(dtype)).to(dtype))  # [N, C, H]
         h = self.embed_tokens(block_ids).to(dtype)  # [N, B, H]
         pos = torch.arange(c + b, device=h.device).expand(n, -1)  # [N, C+B], last ctx at C-1
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)

@@ -110,3 +110,13 @@ def load_tokenizer(dir: Path | str):
         return AutoTokenizer.from_pretrained(str(dir), local_files_only=True)
     except OSError as exc:
         raise ModelIntegrityError(f"cannot load tokenizer from {dir}: {exc}") from exc
+
+
+def load_configured_model(name: str | None, path: str | None, dtype: str, require_manifest: bool):
+    """Resolve, integrity-check and load a model as a worker does at start; returns (dir, model).
+
+    Named models must carry a verified MANIFEST.sha256 (when require_manifest); a user-supplied
+    path is verified when it has one."""
+    model_dir = resolve_model_dir(name, path)
+    check_model_dir(model_dir, require_manifest=require_manifest and path is None)
+    return model_dir, load_model(model_dir, dtype)

@@ -1,0 +1,47 @@
+# specmesh: `make run` starts the local mesh on the default model, `make test` runs the suite.
+# Both do all set-up first (idempotent): venv, CPU torch, deps, protobuf stubs, model fetch.
+PY ?= python3
+VENV := .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.specmesh-installed
+PROTOS := $(wildcard protos/specmesh/v1/*.proto)
+STUBS := specmesh/v1/specmesh_pb2.py specmesh/v1/specmesh_pb2_grpc.py
+
+.PHONY: setup venv deps protos model run test test-unit clean
+
+setup: deps protos model
+
+$(VPY):
+	$(PY) -m venv $(VENV)
+	$(VPY) -m pip install -q --upgrade pip
+
+# torch first, pinned to the CPU build, so nothing later can pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml | $(VPY)
+	$(VPY) -m pip install -q torch==2.13.0
+	$(VPY) -m pip install -q -e '.[test]'
+	@if ! command -v redis-server >/dev/null 2>&1; then \
+	  echo "installing redis-server"; (apt-get update -qq && apt-get install -y -qq redis-server) || \
+	  echo "warning: could not install redis-server"; fi
+	touch $(STAMP)
+
+deps: $(STAMP)
+
+$(STUBS): $(PROTOS) | $(STAMP)
+	$(VPY) -m grpc_tools.protoc -Iprotos --python_out=. --grpc_python_out=. --pyi_out=. $(PROTOS)
+
+protos: $(STUBS)
+
+model: deps
+	$(VPY) -m specmesh.cli fetch-model
+
+run: setup
+	$(VPY) -m specmesh.cli up $(ARGS)
+
+test: setup
+	$(VPY) -m pytest -ra $(PYTEST_ARGS)
+
+test-unit: deps protos
+	$(VPY) -m pytest -ra tests/unit
+
+clean:
+	rm -f $(STUBS) specmesh/v1/*_pb2.pyi

@@ -1,0 +1,1 @@
+"""Coordinator: owns each request's token state and runs the draft -> verify loop."""

@@ -1,0 +1,80 @@
+"""DraftWorker servicer: decode protobuf -> drafter -> encode. Entry point `main`."""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import sys
+
+from draft_worker.drafters import ModelDrafter, NgramDrafter, ProposeJob
+from specmesh.config import ConfigError, MeshConfig
+from specmesh.engine.loader import load_configured_model
+from specmesh.errors import InvalidArgument, ModelIntegrityError
+from specmesh.rpc.convert import probs_to_bytes, sampling_from_pb
+from specmesh.rpc.server import Service
+from specmesh.runtime import service_args, start_process
+from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+
+log = logging.getLogger(__name__)
+
+
+class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
+    def __init__(self, drafters: dict, max_k: int):
+        self.drafters = drafters
+        self.max_k = max_k
+
+    def Propose(self, request, context):
+        drafter = self.drafters.get(request.method)
+        if drafter is None:
+            raise InvalidArgument("method", f"{request.method!r} is not served here (have: {', '.join(self.drafters)})")
+        if not 0 <= request.num_tokens <= self.max_k:
+            raise InvalidArgument("num_tokens", f"must be in [0, {self.max_k}]")
+        if not request.context:
+            raise InvalidArgument("context", "must hold at least one token")
+        job = ProposeJob(request.seq_id, list(request.context), request.num_tokens,
+                         sampling_from_pb(request.sampling), request.round)
+        draft = drafter.propose(job, timeout=context.time_remaining())
+        vocab = getattr(drafter, "vocab_size", 0) if draft.probs is not None else 0
+        return pb.ProposeResponse(token_ids=draft.token_ids, probs=probs_to_bytes(draft.probs), vocab_size=vocab)
+
+    def Release(self, request, context):
+        for drafter in self.drafters.values():
+            drafter.release(request.seq_id)
+        return pb.ReleaseDraftResponse()
+
+
+def build_drafters(cfg: MeshConfig) -> dict:
+    wcfg = cfg.draft_worker
+    drafters: dict = {}
+    if "ngram" in wcfg.methods:
+        drafters["ngram"] = NgramDrafter(wcfg.ngram.min_n, wcfg.ngram.max_n)
+    if "draft_model" in wcfg.methods:
+        dm = wcfg.draft_model
+        if dm.name or dm.path:
+            _, model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest)
+        else:  # no draft model configured: the target model drafts for itself
+            _, model = load_configured_model(cfg.model.name, cfg.model.path, dm.dtype, cfg.model.require_manifest)
+        drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences)
+    return drafters
+
+
+def main(argv=None) -> int:
+    args = service_args("specmesh draft worker", argv)
+    try:
+        cfg = start_process("draft_worker", args)
+        wcfg = cfg.draft_worker if not args.listen else dataclasses.replace(cfg.draft_worker, listen=args.listen)
+        drafters = build_drafters(cfg)
+    except (ConfigError, ModelIntegrityError) as exc:
+        print(f"draft_worker: refusing to start: {exc}", file=sys.stderr)
+        return 2
+    servicer = DraftWorkerServicer(drafters, cfg.speculative.max_speculative_tokens)
+    service = Service("specmesh.v1.DraftWorker", wcfg.listen,
+                      lambda s: pb_grpc.add_DraftWorkerServicer_to_server(servicer, s), wcfg.max_workers)
+    service.start()
+    service.wait_for_signal(on_stop=lambda: [d.close() for d in drafters.values()])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

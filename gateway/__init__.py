@@ -1,0 +1,1 @@
+"""Gateway: the public gRPC API. Validates, then forwards to a coordinator with the deadline."""

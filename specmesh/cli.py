@@ -1,0 +1,180 @@
+"""The `specmesh` command: up, generate, health, fetch-model."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+DEFAULT_TARGET = "127.0.0.1:50051"
+
+
+def _cmd_fetch_model(args) -> int:
+    from specmesh.engine.fetch import fetch_model
+
+    path = fetch_model(args.name, home=args.home, progress=True, force=args.force)
+    print(path)
+    return 0
+
+
+def _cmd_up(args) -> int:
+    from specmesh.config import ConfigError, load_config
+    from specmesh.launcher import Mesh
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"specmesh up: bad config: {exc}", file=sys.stderr)
+        return 2
+    mesh = Mesh(cfg, args.config, args.log_dir)
+    try:
+        mesh.start(timeout_s=args.start_timeout)
+    except RuntimeError as exc:
+        print(f"specmesh up: {exc}", file=sys.stderr)
+        return 1
+    print(f"specmesh: mesh up; gateway at {cfg.gateway.listen} (Ctrl-C to stop)", file=sys.stderr)
+    return mesh.run_until_signal()
+
+
+def build_request(args):
+    from specmesh.v1 import specmesh_pb2 as pb
+
+    req = pb.GenerateRequest(prompt=args.prompt, max_tokens=args.max_tokens, raw=args.raw, stop=args.stop or [])
+    if args.temperature is not None:
+        req.sampling.temperature = args.temperature
+    if args.top_p is not None:
+        req.sampling.top_p = args.top_p
+    if args.top_k is not None:
+        req.sampling.top_k = args.top_k
+    if args.seed is not None:
+        req.sampling.seed = args.seed
+    if args.method:
+        req.speculation.method = args.method
+    if args.k is not None:
+        req.speculation.num_speculative_tokens = args.k
+    return req
+
+
+def response_json(resp) -> dict:
+    spec = resp.spec
+    return {
+        "text": resp.text,
+        "token_ids": list(resp.token_ids),
+        "finish_reason": resp.finish_reason,
+        "usage": {"prompt_tokens": resp.usage.prompt_tokens, "completion_tokens": resp.usage.completion_tokens},
+        "spec": {
+            "method": spec.method,
+            "rounds": spec.rounds,
+            "drafted_tokens": spec.drafted_tokens,
+            "accepted_tokens": spec.accepted_tokens,
+            "mean_acceptance_length": spec.mean_acceptance_length,
+            "accepted_per_position": list(spec.accepted_per_position),
+            "draft_failures": spec.draft_failures,
+        },
+        "request_id": resp.request_id,
+    }
+
+
+def _stream(stub, req, timeout, as_json: bool) -> int:
+    from specmesh.v1 import specmesh_pb2 as pb
+
+    final = pb.GenerateResponse()
+    for chunk in stub.GenerateStream(req, timeout=timeout):
+        if not as_json:
+            sys.stdout.write(chunk.text)
+            sys.stdout.flush()
+        final.text += chunk.text
+        final.token_ids.extend(chunk.token_ids)
+        if chunk.finish_reason:
+            final.finish_reason = chunk.finish_reason
+            final.usage.CopyFrom(chunk.usage)
+            final.spec.CopyFrom(chunk.spec)
+            final.request_id = chunk.request_id
+    print(json.dumps(response_json(final)) if as_json else "")
+    return 0
+
+
+def _cmd_generate(args) -> int:
+    import grpc
+
+    from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+
+    req = build_request(args)
+    with grpc.insecure_channel(args.target) as channel:
+        stub = pb_grpc.GatewayStub(channel)
+        try:
+            if args.stream:
+                return _stream(stub, req, args.timeout, args.json)
+            resp = stub.Generate(req, timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"{err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    print(json.dumps(response_json(resp)) if args.json else resp.text)
+    return 0
+
+
+def _cmd_health(args) -> int:
+    import grpc
+
+    from specmesh.v1 import specmesh_pb2 as pb
+    from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+
+    with grpc.insecure_channel(args.target) as channel:
+        try:
+            resp = pb_grpc.GatewayStub(channel).Generate(pb.GenerateRequest(prompt="ping", max_tokens=1),
+                                                         timeout=args.timeout)
+        except grpc.RpcError as err:
+            print(f"unhealthy: {err.code().name}: {err.details()}", file=sys.stderr)
+            return 1
+    ok = len(resp.token_ids) == 1
+    print("healthy" if ok else "unhealthy: generation returned no token")
+    return 0 if ok else 1
+
+
+def _add_generate_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--target", default=DEFAULT_TARGET, help="gateway host:port")
+    p.add_argument("--prompt", required=True)
+    p.add_argument("--raw", action="store_true", help="no chat template")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float)
+    p.add_argument("--top-p", type=float)
+    p.add_argument("--top-k", type=int)
+    p.add_argument("--seed", type=int)
+    p.add_argument("--stop", action="append", help="stop string (repeatable)")
+    p.add_argument("--method", help="drafter name (ngram, draft_model) or off")
+    p.add_argument("--k", type=int, help="speculative tokens per round")
+    p.add_argument("--stream", action="store_true")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+
+
+def parser() -> argparse.ArgumentParser:
+    root = argparse.ArgumentParser(prog="specmesh", description=__doc__)
+    sub = root.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("up", help="start gateway, coordinator, draft and target worker as processes")
+    p.add_argument("--config")
+    p.add_argument("--log-dir", help="write each service's log to DIR/<service>.log")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.set_defaults(fn=_cmd_up)
+    p = sub.add_parser("generate", help="call the gateway")
+    _add_generate_args(p)
+    p.set_defaults(fn=_cmd_generate)
+    p = sub.add_parser("health", help="exit 0 only if the gateway completes a real generation")
+    p.add_argument("--target", default=DEFAULT_TARGET)
+    p.add_argument("--timeout", type=float, default=60.0)
+    p.set_defaults(fn=_cmd_health)
+    p = sub.add_parser("fetch-model", help="download, verify and convert the default model")
+    p.add_argument("--name", default="smollm2-135m-instruct")
+    p.add_argument("--home", help="cache root (default $SPECMESH_HOME or ~/.cache/specmesh)")
+    p.add_argument("--force", action="store_true")
+    p.set_defaults(fn=_cmd_fetch_model)
+    return root
+
+
+def main(argv=None) -> int:
+    args = parser().parse_args(argv)
+    return args.fn(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

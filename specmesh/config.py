@@ -1,0 +1,292 @@
+"""Deployment configuration: one YAML file, one frozen dataclass per section, env overrides.
+
+Load order: dataclass defaults <- YAML file <- environment. An environment variable
+SPECMESH_<SECTION>__<FIELD>[__<FIELD>...] overrides one field, its value parsed as YAML
+(e.g. SPECMESH_TARGET_WORKER__CACHE__IDLE_TIMEOUT_S=30, SPECMESH_SPECULATIVE__METHOD=off,
+SPECMESH_COORDINATOR__DRAFT_WORKERS="[127.0.0.1:6000, 127.0.0.1:6001]").
+Everything is validated at load; a bad value raises ConfigError naming its key path.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+ENV_PREFIX = "SPECMESH_"
+DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
+DRAFTERS = ("ngram", "draft_model")
+METHODS = ("off",) + DRAFTERS
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown or out of range."""
+
+
+def _check(ok: bool, key: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{key}: {message}")
+
+
+def _check_address(value: str, key: str) -> None:
+    host, sep, port = value.rpartition(":")
+    _check(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536, key,
+           f"{value!r} is not host:port")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    name: str = "smollm2-135m-instruct"  # a model pinned in specmesh/manifests (fetched by fetch-model)
+    path: str | None = None  # or any local HF causal-LM directory (overrides name)
+    dtype: str = "bfloat16"
+    require_manifest: bool = True  # refuse to start without a verified MANIFEST.sha256 (named models)
+
+    def validate(self, key: str) -> None:
+        _check(self.dtype in ("bfloat16", "float16", "float32"), f"{key}.dtype", "bfloat16|float16|float32")
+        _check(bool(self.name) or bool(self.path), key, "needs a name or a path")
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    method: str = "ngram"  # default drafter for requests that do not choose: off | ngram | draft_model
+    num_speculative_tokens: int = 4  # k drafted tokens per round
+    max_speculative_tokens: int = 16  # upper bound a request may ask for
+    verify_mode: str = "chain"  # chain: one drafted sequence per round
+
+    def validate(self, key: str) -> None:
+        _check(self.method in METHODS, f"{key}.method", f"one of {', '.join(METHODS)}")
+        _check(0 <= self.num_speculative_tokens <= self.max_speculative_tokens,
+               f"{key}.num_speculative_tokens", "must be in [0, max_speculative_tokens]")
+        _check(1 <= self.max_speculative_tokens <= 64, f"{key}.max_speculative_tokens", "must be in [1, 64]")
+        _check(self.verify_mode == "chain", f"{key}.verify_mode", "only 'chain' is supported")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    torch_threads: int = 0  # 0 = torch's default (all cores)
+    log_level: str = "INFO"
+
+    def validate(self, key: str) -> None:
+        _check(self.torch_threads >= 0, f"{key}.torch_threads", "must be >= 0")
+        _check(self.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), f"{key}.log_level",
+               "DEBUG|INFO|WARNING|ERROR")
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    listen: str = "127.0.0.1:50051"
+    coordinator: str = "127.0.0.1:50052"
+    max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
+    max_stop_strings: int = 16
+    max_deadline_s: float = 600.0  # a client's deadline is clamped to this
+    max_workers: int = 64  # gRPC handler threads
+
+    def validate(self, key: str) -> None:
+        _check_address(self.listen, f"{key}.listen")
+        _check_address(self.coordinator, f"{key}.coordinator")
+        _check(self.max_tokens_limit >= 1, f"{key}.max_tokens_limit", "must be >= 1")
+        _check(self.max_deadline_s > 0, f"{key}.max_deadline_s", "must be > 0")
+        _check(self.max_workers >= 1, f"{key}.max_workers", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CoordinatorConfig:
+    listen: str = "127.0.0.1:50052"
+    draft_workers: tuple[str, ...] = ("127.0.0.1:50053",)
+    target_workers: tuple[str, ...] = ("127.0.0.1:50054",)
+    draft_timeout_s: float = 5.0  # a slower proposal counts as a draft failure (round runs with k=0)
+    draft_retry_after_s: float = 2.0  # after a failure, skip that draft worker this long
+    max_workers: int = 64
+
+    def validate(self, key: str) -> None:
+        _check_address(self.listen, f"{key}.listen")
+        _check(len(self.target_workers) >= 1, f"{key}.target_workers", "needs at least one address")
+        for i, addr in enumerate(self.draft_workers):
+            _check_address(addr, f"{key}.draft_workers[{i}]")
+        for i, addr in enumerate(self.target_workers):
+            _check_address(addr, f"{key}.target_workers[{i}]")
+        _check(self.draft_timeout_s > 0, f"{key}.draft_timeout_s", "must be > 0")
+        _check(self.max_workers >= 1, f"{key}.max_workers", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    min_n: int = 1
+    max_n: int = 4
+
+    def validate(self, key: str) -> None:
+        _check(1 <= self.min_n <= self.max_n, key, "needs 1 <= min_n <= max_n")
+
+
+@dataclass(frozen=True)
+class DraftModelConfig:
+    name: str | None = None  # a pinned model name; with neither name nor path: the target model
+    path: str | None = None  # any HF causal LM sharing the target's tokenizer
+    dtype: str = "bfloat16"
+
+    def validate(self, key: str) -> None:
+        _check(self.dtype in ("bfloat16", "float16", "float32"), f"{key}.dtype", "bfloat16|float16|float32")
+
+
+@dataclass(frozen=True)
+class DraftWorkerConfig:
+    listen: str = "127.0.0.1:50053"
+    methods: tuple[str, ...] = ("ngram", "draft_model")  # drafters this worker loads
+    ngram: NgramConfig = field(default_factory=NgramConfig)
+    draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
+    max_batch_size: int = 16
+    cache_max_sequences: int = 256  # per-sequence draft KV kept (LRU) for reuse across rounds
+    max_workers: int = 64
+
+    def validate(self, key: str) -> None:
+        _check_address(self.listen, f"{key}.listen")
+        for m in self.methods:
+            _check(m in DRAFTERS, f"{key}.methods", f"unknown drafter {m!r} (known: {', '.join(DRAFTERS)})")
+        self.ngram.validate(f"{key}.ngram")
+        self.draft_model.validate(f"{key}.draft_model")
+        _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
+        _check(self.cache_max_sequences >= 1, f"{key}.cache_max_sequences", "must be >= 1")
+
+
+@dataclass(frozen=True)
+class CacheConfig:
+    max_sequences: int = 64  # live sequences (KV caches) held at once
+    max_tokens: int = 262144  # total tokens across all held KV caches
+    idle_timeout_s: float = 300.0  # a sequence nobody touches this long is reclaimed
+    reclaim_interval_s: float = 5.0
+
+    def validate(self, key: str) -> None:
+        _check(self.max_sequences >= 1, f"{key}.max_sequences", "must be >= 1")
+        _check(self.max_tokens >= 1, f"{key}.max_tokens", "must be >= 1")
+        _check(self.idle_timeout_s > 0, f"{key}.idle_timeout_s", "must be > 0")
+        _check(self.reclaim_interval_s > 0, f"{key}.reclaim_interval_s", "must be > 0")
+
+
+@dataclass(frozen=True)
+class TargetWorkerConfig:
+    listen: str = "127.0.0.1:50054"
+    max_batch_size: int = 16  # sequences verified in one forward
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    max_workers: int = 64
+
+    def validate(self, key: str) -> None:
+        _check_address(self.listen, f"{key}.listen")
+        _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
+        self.cache.validate(f"{key}.cache")
+
+
+@dataclass(frozen=True)
+class MeshConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    gateway: GatewayConfig = field(default_factory=GatewayConfig)
+    coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
+    draft_worker: DraftWorkerConfig = field(default_factory=DraftWorkerConfig)
+    target_worker: TargetWorkerConfig = field(default_factory=TargetWorkerConfig)
+
+    def validate(self) -> None:
+        for f in dataclasses.fields(self):
+            getattr(self, f.name).validate(f.name)
+
+    def replace(self, **sections) -> "MeshConfig":
+        return dataclasses.replace(self, **sections)
+
+
+def _coerce(tp, value, key: str):
+    """Convert a YAML value to the annotated type tp (dataclass, tuple, optional, scalar)."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, key)
+    if origin in (types.UnionType, typing.Union):
+        if value is None:
+            _check(type(None) in typing.get_args(tp), key, "may not be null")
+            return None
+        inner = [a for a in typing.get_args(tp) if a is not type(None)]
+        return _coerce(inner[0], value, key)
+    if origin is tuple:
+        if isinstance(value, str):
+            value = [v.strip() for v in value.split(",") if v.strip()]
+        _check(isinstance(value, (list, tuple)), key, "must be a list")
+        return tuple(_coerce(typing.get_args(tp)[0], v, f"{key}[{i}]") for i, v in enumerate(value))
+    if tp is float:
+        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "must be a number")
+        return float(value)
+    if tp is int:
+        _check(isinstance(value, int) and not isinstance(value, bool), key, "must be an integer")
+        return value
+    if tp is bool:
+        _check(isinstance(value, bool), key, "must be true or false")
+        return value
+    if tp is str:
+        _check(isinstance(value, (str, int, float)) and not isinstance(value, bool), key, "must be a string")
+        return str(value)
+    raise ConfigError(f"{key}: unsupported type {tp}")
+
+
+def _build(cls, data, key: str):
+    if data is None:
+        data = {}
+    _check(isinstance(data, dict), key or "config", "must be a mapping")
+    hints = typing.get_type_hints(cls)
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    _check(not unknown, key or "config", f"unknown key(s) {', '.join(map(str, unknown))}")
+    kwargs = {n: _coerce(hints[n], v, f"{key}.{n}" if key else n) for n, v in data.items()}
+    return cls(**kwargs)
+
+
+def _set_path(data: dict, path: list[str], value) -> None:
+    for part in path[:-1]:
+        node = data.get(part)
+        if not isinstance(node, dict):
+            node = data[part] = {}
+        data = node
+    data[path[-1]] = value
+
+
+def env_overrides(environ=None) -> dict:
+    """SPECMESH_A__B=v -> {"a": {"b": parsed v}} for the sections MeshConfig knows."""
+    environ = os.environ if environ is None else environ
+    sections = {f.name for f in dataclasses.fields(MeshConfig)}
+    out: dict = {}
+    for name, raw in environ.items():
+        if not name.startswith(ENV_PREFIX) or "__" not in name:
+            continue
+        path = name[len(ENV_PREFIX):].lower().split("__")
+        if path[0] not in sections:
+            continue
+        try:
+            value = yaml.safe_load(raw) if raw != "" else None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"{name}: not parseable ({exc})") from exc
+        _set_path(out, path, value)
+    return out
+
+
+def _merge(base: dict, over: dict) -> dict:
+    merged = dict(base)
+    for k, v in over.items():
+        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
+    return merged
+
+
+def load_config(path: str | os.PathLike | None = None, environ=None, overrides: dict | None = None) -> MeshConfig:
+    """Load YAML (path, else $SPECMESH_CONFIG, else the shipped default), apply env, validate."""
+    environ = os.environ if environ is None else environ
+    path = path or environ.get("SPECMESH_CONFIG") or DEFAULT_CONFIG
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except FileNotFoundError as exc:
+        raise ConfigError(f"config file {path} not found") from exc
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"config file {path}: {exc}") from exc
+    data = _merge(_merge(data, env_overrides(environ)), overrides or {})
+    cfg = _build(MeshConfig, data, "")
+    cfg.validate()
+    return cfg

@@ -1,0 +1,95 @@
+"""Continuous request batching: one model thread serves every RPC thread.
+
+RPC threads submit jobs and block on a future. The model thread takes the first waiting job,
+then everything else already queued of the same kind (up to max_batch), and runs them as one
+batch. While a batch runs, new jobs queue up and form the next batch — so batch size follows
+load without any fixed wait.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from specmesh.errors import Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Job:
+    kind: str
+    payload: Any
+    future: Future = field(default_factory=Future)
+
+
+class Batcher:
+    """run_batch(kind, payloads) -> results (same order), or raises: the error goes to each job."""
+
+    def __init__(self, run_batch: Callable[[str, list], list], max_batch: int, max_queue: int = 1024, name: str = "batcher"):
+        self._run_batch = run_batch
+        self._max_batch = max_batch
+        self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
+        self._held: list[Job] = []  # jobs taken off the queue but of another kind than the batch
+        self._stop = threading.Event()
+        self.batches_run = 0
+        self.jobs_run = 0
+        self._thread = threading.Thread(target=self._loop, name=name, daemon=True)
+        self._thread.start()
+
+    def qsize(self) -> int:
+        return self._queue.qsize() + len(self._held)
+
+    def submit(self, kind: str, payload: Any) -> Future:
+        job = Job(kind, payload)
+        try:
+            self._queue.put_nowait(job)
+        except queue.Full:
+            raise Unavailable("worker queue is full; retry later") from None
+        return job.future
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)
+
+    def _next_batch(self) -> list[Job]:
+        first = self._held.pop(0) if self._held else self._queue.get(timeout=0.1)
+        batch, rest = [first], []
+        for job in self._held:
+            (batch if job.kind == first.kind and len(batch) < self._max_batch else rest).append(job)
+        while len(batch) < self._max_batch:
+            try:
+                job = self._queue.get_nowait()
+            except queue.Empty:
+                break
+            (batch if job.kind == first.kind else rest).append(job)
+        self._held = rest
+        return batch
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                batch = self._next_batch()
+            except queue.Empty:
+                continue
+            live = [j for j in batch if j.future.set_running_or_notify_cancel()]
+            if not live:
+                continue
+            try:
+                results = self._run_batch(live[0].kind, [j.payload for j in live])
+            except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
+                log.exception("batch of %d %s jobs failed", len(live), live[0].kind)
+                for j in live:
+                    j.future.set_exception(exc)
+                continue
+            self.batches_run += 1
+            self.jobs_run += len(live)
+            for j, r in zip(live, results):
+                if isinstance(r, BaseException):
+                    j.future.set_exception(r)
+                else:
+                    j.future.set_result(r)

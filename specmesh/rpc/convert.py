@@ -1,0 +1,62 @@
+"""Protobuf <-> core value types. Core code never sees protobuf; servicers call these."""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from specmesh.core.types import DraftProposal, SamplingParams, SpecStats
+from specmesh.errors import InvalidArgument
+from specmesh.v1 import specmesh_pb2 as pb
+
+
+def sampling_from_pb(opts: pb.SamplingOptions) -> SamplingParams:
+    return SamplingParams(
+        temperature=float(opts.temperature) if opts.HasField("temperature") else 0.0,
+        top_p=float(opts.top_p) if opts.HasField("top_p") else 1.0,
+        top_k=int(opts.top_k) if opts.HasField("top_k") else 0,
+        seed=int(opts.seed) if opts.HasField("seed") else None,
+    )
+
+
+def sampling_to_pb(params: SamplingParams) -> pb.SamplingOptions:
+    opts = pb.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
+    if params.seed is not None:
+        opts.seed = params.seed
+    return opts
+
+
+def probs_to_bytes(probs: torch.Tensor | None) -> bytes:
+    """probs: [k, V] float32 -> row-major little-endian bytes (empty for a point mass)."""
+    if probs is None:
+        return b""
+    return probs.detach().to(torch.float32).contiguous().numpy().astype("<f4", copy=False).tobytes()
+
+
+def probs_from_bytes(data: bytes, k: int, vocab_size: int) -> torch.Tensor | None:
+    """Inverse of probs_to_bytes -> [k, V] float32, or None for an empty field."""
+    if not data:
+        return None
+    if vocab_size <= 0 or len(data) != 4 * k * vocab_size:
+        raise InvalidArgument("draft_probs", f"{len(data)} bytes is not float32 [{k}, {vocab_size}]")
+    return torch.from_numpy(np.frombuffer(data, dtype="<f4").reshape(k, vocab_size).copy())
+
+
+def proposal_from_pb(token_ids, probs: bytes, vocab_size: int) -> DraftProposal:
+    tokens = list(token_ids)
+    return DraftProposal(tokens, probs_from_bytes(probs, len(tokens), vocab_size))
+
+
+def stats_to_pb(stats: SpecStats, method: str) -> pb.SpecStats:
+    return pb.SpecStats(
+        rounds=stats.rounds,
+        drafted_tokens=stats.drafted_tokens,
+        accepted_tokens=stats.accepted_tokens,
+        mean_acceptance_length=stats.mean_acceptance_length,
+        accepted_per_position=stats.accepted_per_position,
+        drafted_per_position=stats.drafted_per_position,
+        draft_failures=stats.draft_failures,
+        method=method,
+        draft_time_s=stats.draft_time_s,
+        verify_time_s=stats.verify_time_s,
+    )

@@ -1,0 +1,96 @@
+"""One place where typed errors become gRPC status codes, and back.
+
+Servers: ErrorInterceptor wraps every handler; a SpecmeshError aborts with its code and
+message, anything else is logged and answered INTERNAL. Clients: raise_from_rpc turns a
+grpc.RpcError into the matching SpecmeshError, so a status crosses hops unchanged.
+"""
+
+from __future__ import annotations
+
+import logging
+
+import grpc
+
+from specmesh import errors
+
+log = logging.getLogger(__name__)
+
+_BY_CODE = {
+    "INVALID_ARGUMENT": lambda m: errors.InvalidArgument("request", m),
+    "UNAUTHENTICATED": errors.Unauthenticated,
+    "PERMISSION_DENIED": errors.PermissionDenied,
+    "RESOURCE_EXHAUSTED": errors.ResourceExhausted,
+    "UNAVAILABLE": errors.Unavailable,
+    "DEADLINE_EXCEEDED": errors.DeadlineExceeded,
+    "NOT_FOUND": errors.NotFound,
+    "FAILED_PRECONDITION": errors.FailedPrecondition,
+    "CANCELLED": errors.Cancelled,
+}
+
+
+def status_code(exc: errors.SpecmeshError) -> grpc.StatusCode:
+    return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
+
+
+def _abort(context: grpc.ServicerContext, exc: BaseException):
+    if isinstance(exc, errors.SpecmeshError):
+        if isinstance(exc, errors.ResourceExhausted) and exc.retry_after_s is not None:
+            context.set_trailing_metadata((("retry-after", f"{exc.retry_after_s:.3f}"),))
+        context.abort(status_code(exc), str(exc))
+    log.exception("unhandled error in handler")
+    context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
+
+
+def _wrap_unary(fn):
+    def handler(request, context):
+        try:
+            return fn(request, context)
+        except errors.SpecmeshError as exc:
+            _abort(context, exc)
+        except Exception as exc:  # noqa: BLE001
+            if _is_abort(exc):
+                raise
+            _abort(context, exc)
+
+    return handler
+
+
+def _wrap_stream(fn):
+    def handler(request, context):
+        try:
+            yield from fn(request, context)
+        except errors.SpecmeshError as exc:
+            _abort(context, exc)
+        except Exception as exc:  # noqa: BLE001
+            if _is_abort(exc):
+                raise
+            _abort(context, exc)
+
+    return handler
+
+
+def _is_abort(exc: BaseException) -> bool:
+    # context.abort raises a plain Exception subclass private to grpc; let it through
+    return type(exc).__module__.startswith("grpc")
+
+
+class ErrorInterceptor(grpc.ServerInterceptor):
+    def intercept_service(self, continuation, handler_call_details):
+        handler = continuation(handler_call_details)
+        if handler is None:
+            return None
+        if handler.unary_unary:
+            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+        if handler.unary_stream:
+            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+        return handler
+
+
+def raise_from_rpc(err: grpc.RpcError, hop: str) -> None:
+    """Re-raise a client-side RpcError as the typed error of the same status."""
+    code = err.code().name if hasattr(err, "code") and err.code() else "UNKNOWN"
+    message = f"{hop}: {err.details() if hasattr(err, 'details') else err}"
+    make = _BY_CODE.get(code)
+    if make is None:
+        raise errors.SpecmeshError(message) from err
+    raise make(message) from err

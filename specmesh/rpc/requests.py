@@ -1,0 +1,83 @@
+"""Decode and validate a public GenerateRequest into the loop's GenerationRequest.
+
+The gateway runs this to answer INVALID_ARGUMENT naming the field before anything is queued;
+the coordinator runs it again on what it receives (it trusts no caller)."""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass
+
+from specmesh.config import METHODS, SpeculativeConfig
+from specmesh.core.types import GenerationRequest, SamplingParams
+from specmesh.errors import InvalidArgument
+from specmesh.rpc.convert import sampling_from_pb
+from specmesh.tokenization import PromptEncoder
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_tokens: int
+    max_stop_strings: int
+
+
+def _sampling(req) -> SamplingParams:
+    s = req.sampling
+    if s.HasField("temperature") and not math.isfinite(s.temperature):
+        raise InvalidArgument("sampling.temperature", "must be a finite number >= 0")
+    params = sampling_from_pb(s)
+    try:
+        params.validate()
+    except InvalidArgument as exc:  # name the field as the client sent it
+        raise InvalidArgument(f"sampling.{exc.field}", str(exc).split(": ", 1)[1]) from None
+    return params
+
+
+def _speculation(req, spec: SpeculativeConfig) -> tuple[str, int]:
+    method = req.speculation.method or spec.method
+    if method not in METHODS:
+        raise InvalidArgument("speculation.method", f"unknown method {method!r} (known: {', '.join(METHODS)})")
+    k = req.speculation.num_speculative_tokens if req.speculation.HasField("num_speculative_tokens") \
+        else spec.num_speculative_tokens
+    if not 0 <= k <= spec.max_speculative_tokens:
+        raise InvalidArgument("speculation.num_speculative_tokens", f"must be in [0, {spec.max_speculative_tokens}]")
+    if method == "off" or k == 0:
+        return "off", 0
+    return method, k
+
+
+def _stop(req, limits: Limits) -> tuple[str, ...]:
+    if len(req.stop) > limits.max_stop_strings:
+        raise InvalidArgument("stop", f"at most {limits.max_stop_strings} stop strings")
+    if any(not s for s in req.stop):
+        raise InvalidArgument("stop", "stop strings must not be empty")
+    return tuple(req.stop)
+
+
+def _prompt_ids(req, encoder: PromptEncoder) -> list[int]:
+    which = req.WhichOneof("input")
+    if which == "messages":
+        if not req.messages.messages:
+            raise InvalidArgument("messages", "must hold at least one message")
+        msgs = [(m.role, m.content) for m in req.messages.messages]
+        return encoder.encode(None, msgs)
+    if which != "prompt" or not req.prompt:
+        raise InvalidArgument("prompt", "must not be empty (send prompt or messages)")
+    return encoder.encode(req.prompt, None, raw=req.raw)
+
+
+def decode_request(req, encoder: PromptEncoder, limits: Limits, spec: SpeculativeConfig,
+                   timeout_s: float | None) -> GenerationRequest:
+    if req.max_tokens < 1 or req.max_tokens > limits.max_tokens:
+        raise InvalidArgument("max_tokens", f"must be in [1, {limits.max_tokens}]")
+    params = _sampling(req)
+    method, k = _speculation(req, spec)
+    stop = _stop(req, limits)
+    prompt_ids = _prompt_ids(req, encoder)
+    if len(prompt_ids) + req.max_tokens > encoder.context_window:
+        raise InvalidArgument("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) "
+                                            f"exceeds the {encoder.context_window}-token context window")
+    deadline = None if timeout_s is None else time.monotonic() + timeout_s
+    kwargs = {"request_id": req.request_id} if req.request_id else {}
+    return GenerationRequest(prompt_ids, req.max_tokens, params, method, k, stop, deadline, **kwargs)

@@ -1,0 +1,1 @@
+"""Target worker: holds each sequence's KV cache; batched prefill and verification."""

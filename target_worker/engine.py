@@ -1,0 +1,176 @@
+"""Target engine: per-sequence KV caches, batched prefill and verification. No grpc here.
+
+A sequence's cache holds every token except the last emitted one ("pending"): that token's
+logits are not known yet. Prefill forwards the prompt and samples the first token. A verify
+round forwards [pending, d_1..d_k] in one step (batched with other sequences' rounds), so row i
+of the logits scores d_{i+1}; the rejection sampler keeps n drafts and emits one target token,
+and the cache keeps the n+1 slots [pending, d_1..d_n]. The prefix is never recomputed.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specmesh.core.rejection import verify as verify_round
+from specmesh.core.sampling import make_generator
+from specmesh.core.types import DraftProposal, SamplingParams, VerifyOutcome
+from specmesh.engine.batcher import Batcher
+from specmesh.engine.kv import SequenceKV, batched_step, new_sequence_kv
+from specmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    kv: SequenceKV
+    params: SamplingParams
+    generator: torch.Generator
+    pending: int | None = None  # last emitted token, not yet in the cache
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False  # a prefill/verify job is queued or running
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    seq: Sequence
+    prompt: list[int]
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    seq: Sequence
+    draft: DraftProposal
+
+
+class TargetEngine:
+    def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float):
+        self.model = model
+        cfg = model.config.get_text_config()
+        self.vocab_size = cfg.vocab_size
+        self.context_window = getattr(cfg, "max_position_embeddings", None) or 1 << 30
+        self.max_sequences, self.max_tokens, self.idle_timeout_s = max_sequences, max_tokens, idle_timeout_s
+        self._seqs: dict[str, Sequence] = {}
+        self._lock = threading.Lock()
+        self.batcher = Batcher(self._run_batch, max_batch_size, name="target-batcher")
+        self.last_batch_sizes: list[int] = []
+
+    # ------------------------------------------------------------------ public API (any thread)
+    def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float | None = None) -> int:
+        if not prompt:
+            raise InvalidArgument("prompt", "must hold at least one token")
+        self._check_tokens(prompt, "prompt")
+        if len(prompt) >= self.context_window:
+            raise InvalidArgument("prompt", f"{len(prompt)} tokens do not fit the {self.context_window}-token window")
+        seq = self._admit(seq_id, params, len(prompt))
+        try:
+            return self.batcher.submit("prefill", PrefillJob(seq, prompt)).result(timeout)
+        except BaseException:
+            self.release(seq_id)
+            raise
+
+    def verify(self, seq_id: str, draft: DraftProposal, timeout: float | None = None) -> VerifyOutcome:
+        self._check_tokens(draft.token_ids, "draft_token_ids")
+        if draft.probs is not None and tuple(draft.probs.shape) != (len(draft.token_ids), self.vocab_size):
+            raise InvalidArgument("draft_probs", f"shape {tuple(draft.probs.shape)} != [k, {self.vocab_size}]")
+        seq = self._claim(seq_id)
+        if seq.kv.length + 1 + len(draft.token_ids) > self.context_window:
+            seq.busy = False
+            raise InvalidArgument("draft_token_ids", "round would run past the context window")
+        try:
+            return self.batcher.submit("verify", VerifyJob(seq, draft)).result(timeout)
+        finally:
+            seq.busy = False
+            seq.last_used = time.monotonic()
+
+    def release(self, seq_id: str) -> bool:
+        with self._lock:
+            return self._seqs.pop(seq_id, None) is not None
+
+    def reclaim_idle(self, now: float | None = None) -> list[str]:
+        """Drop sequences untouched for idle_timeout_s (a coordinator that vanished mid-request)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            stale = [s for s, q in self._seqs.items() if not q.busy and now - q.last_used > self.idle_timeout_s]
+            for s in stale:
+                del self._seqs[s]
+        if stale:
+            log.info("reclaimed %d idle sequence(s)", len(stale))
+        return stale
+
+    def live_sequences(self) -> int:
+        return len(self._seqs)
+
+    def kv_bytes(self) -> int:
+        with self._lock:
+            return sum(s.kv.nbytes() for s in self._seqs.values())
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    # ------------------------------------------------------------------ admission
+    def _check_tokens(self, tokens: list[int], name: str) -> None:
+        if any(t < 0 or t >= self.vocab_size for t in tokens):
+            raise InvalidArgument(name, f"token ids must be in [0, {self.vocab_size})")
+
+    def _admit(self, seq_id: str, params: SamplingParams, prompt_len: int) -> Sequence:
+        with self._lock:
+            if seq_id in self._seqs:
+                raise FailedPrecondition(f"sequence {seq_id} already exists")
+            if len(self._seqs) >= self.max_sequences:
+                raise Unavailable(f"KV cache full: {len(self._seqs)} live sequences")
+            held = sum(s.kv.length for s in self._seqs.values())
+            if held + prompt_len > self.max_tokens:
+                raise Unavailable(f"KV cache full: {held} of {self.max_tokens} tokens held")
+            seq = Sequence(seq_id, new_sequence_kv(self.model, capacity=prompt_len + 64), params,
+                           make_generator(params.seed), busy=True)
+            self._seqs[seq_id] = seq
+            return seq
+
+    def _claim(self, seq_id: str) -> Sequence:
+        with self._lock:
+            seq = self._seqs.get(seq_id)
+            if seq is None:
+                raise NotFound(f"sequence {seq_id} is not held by this worker (released or reclaimed)")
+            if seq.busy or seq.pending is None:
+                raise FailedPrecondition(f"sequence {seq_id} has a round in flight")
+            seq.busy = True
+            seq.last_used = time.monotonic()
+            return seq
+
+    # ------------------------------------------------------------------ model thread
+    def _run_batch(self, kind: str, jobs: list) -> list:
+        self.last_batch_sizes = (self.last_batch_sizes + [len(jobs)])[-256:]
+        if kind == "prefill":
+            return self._run_prefill(jobs)
+        return self._run_verify(jobs)
+
+    def _run_prefill(self, jobs: list[PrefillJob]) -> list[int]:
+        outs = batched_step(self.model, [j.seq.kv for j in jobs], [j.prompt for j in jobs])
+        firsts = []
+        for job, out in zip(jobs, outs):
+            seq = job.seq
+            seq.kv.append(out.new_keys, out.new_values)
+            first = verify_round(out.logits[-1:], DraftProposal([]), seq.params, seq.generator).tokens[0]
+            seq.pending, seq.busy, seq.last_used = first, False, time.monotonic()
+            firsts.append(first)
+        return firsts
+
+    def _run_verify(self, jobs: list[VerifyJob]) -> list[VerifyOutcome]:
+        inputs = [[j.seq.pending] + list(j.draft.token_ids) for j in jobs]
+        outs = batched_step(self.model, [j.seq.kv for j in jobs], inputs)
+        results = []
+        for job, out in zip(jobs, outs):
+            seq = job.seq
+            outcome = verify_round(out.logits, job.draft, seq.params, seq.generator)
+            keep = outcome.accepted + 1  # [pending, d_1..d_n]
+            seq.kv.append([k[:, :keep] for k in out.new_keys], [v[:, :keep] for v in out.new_values])
+            seq.pending = outcome.tokens[-1]
+            results.append(outcome)
+        return results
