@@ -167,7 +167,7 @@ def batched_step(
         input_ids=ids,
         attention_mask=mask,
         position_ids=pos,
-        past_key_values=cache,
+        cache=cache,
         use_cache=True,
         output_hidden_states=bool(hidden_layers),
     )
