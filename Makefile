@@ -5,7 +5,7 @@ VENV := .venv
 VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmesh-installed
 PROTOS := $(wildcard protos/specmesh/v1/*.proto)
-STUBS := specmesh/v1/specmesh_pb2.py specmesh/v1/specmesh_pb2_grpc.py
+STUBS := specmesh/v1/specmesh_pb2.py specmesh/v1/specmesh_pb2_grpc.py specmesh/v1/admin_pb2.py specmesh/v1/admin_pb2_grpc.py
 
 .PHONY: setup venv deps protos model run test test-unit clean
 

@@ -1,4 +1,21 @@
-"""gRPC clients for the two worker tiers, behind the loop's TargetClient / DraftPool shapes."""
+"""gRPC clients for the two worker tiers, behind the loop's TargetClient / DraftPool shapes.
+
+Membership comes from a static address list (no registry: coordinator.*_workers) or from the
+registry: RegistryWatcher calls update(records) with each tier's live workers, so a worker
+started at run time gets traffic at the next poll and one that stops heartbeating, or drains,
+gets no new work. Routing:
+
+  target  a NEW sequence goes to the worker with the most free KV capacity (free sequence slots,
+          then free tokens, from its last heartbeat; this coordinator's own live sequences on it
+          count too, so a burst spreads before the next heartbeat). Without load data: the worker
+          with the fewest of this coordinator's sequences. The sequence then stays there
+          (TargetLease) — its KV cache lives on that worker.
+  draft   EVERY ROUND goes to the least-loaded healthy draft worker serving the method (ties:
+          the one that served this sequence before, for its cache, then round-robin). The draft
+          tier is stateless to the coordinator: any draft worker can serve any round.
+
+A worker that answers UNAVAILABLE (down, draining, full) is skipped for retry_after_s.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +23,8 @@ import itertools
 import logging
 import threading
 import time
+from dataclasses import dataclass
+from typing import Any, Callable
 
 import grpc
 
@@ -25,7 +44,8 @@ class GrpcTargetClient:
 
     def __init__(self, address: str):
         self.address = address
-        self.stub = pb_grpc.TargetWorkerStub(make_channel(address))
+        self.channel = make_channel(address)
+        self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
     def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float) -> int:
         req = pb.PrefillRequest(seq_id=seq_id, prompt=prompt, sampling=sampling_to_pb(params))
@@ -56,60 +76,225 @@ class GrpcTargetClient:
         except grpc.RpcError as err:
             raise_from_rpc(err, f"target worker {self.address}")
 
+    def close(self) -> None:
+        self.channel.close()
+
+
+class GrpcDraftClient:
+    def __init__(self, address: str):
+        self.address = address
+        self.channel = make_channel(address)
+        self.stub = pb_grpc.DraftWorkerStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+
+@dataclass(eq=False)
+class Member:
+    address: str
+    client: Any
+    record: Any = None  # the worker's latest WorkerRecord (registry mode), else None
+    inflight: int = 0  # this coordinator's sequences (target) / rounds (draft) on it now
+    down_until: float = 0.0
+    removed: bool = False
+
+    @property
+    def draining(self) -> bool:
+        return bool(self.record is not None and self.record.draining)
+
+    def reported(self, key: str) -> int:
+        return int(self.record.load.get(key, 0)) if self.record is not None else 0
+
+
+class Members:
+    """One tier's workers by address; update() replaces them with the registry's live records."""
+
+    def __init__(self, addresses, make_client: Callable[[str], Any], tier: str):
+        self.make_client, self.tier = make_client, tier
+        self.lock = threading.Lock()
+        self.by_addr: dict[str, Member] = {a: Member(a, make_client(a)) for a in dict.fromkeys(addresses)}
+        self._rr = itertools.count()
+
+    def update(self, records) -> None:
+        fresh = {r.address: r for r in records}
+        with self.lock:
+            for addr in [a for a in self.by_addr if a not in fresh]:
+                member = self.by_addr.pop(addr)
+                member.removed = True
+                log.info("%s worker %s left", self.tier, addr)
+                self._maybe_close(member)
+            for addr, rec in fresh.items():
+                if addr not in self.by_addr:
+                    self.by_addr[addr] = Member(addr, self.make_client(addr))
+                    log.info("%s worker %s joined (%s)", self.tier, addr, rec.worker_id)
+                self.by_addr[addr].record = rec
+
+    def snapshot(self) -> list[Member]:
+        with self.lock:
+            return list(self.by_addr.values())
+
+    def candidates(self, exclude=(), ok: Callable[[Member], bool] = lambda m: True) -> list[Member]:
+        """Usable members (call with the lock held), rotated so ties go round-robin."""
+        now = time.monotonic()
+        usable = [m for m in self.by_addr.values()
+                  if m.address not in exclude and not m.draining and m.down_until <= now and ok(m)]
+        if not usable:
+            return usable
+        r = next(self._rr) % len(usable)
+        return usable[r:] + usable[:r]
+
+    def mark_down(self, member: Member, seconds: float) -> None:
+        with self.lock:
+            member.down_until = time.monotonic() + seconds
+
+    def done(self, member: Member) -> None:
+        with self.lock:
+            member.inflight = max(0, member.inflight - 1)
+            self._maybe_close(member)
+
+    @staticmethod
+    def _maybe_close(member: Member) -> None:
+        if member.removed and member.inflight == 0:
+            member.client.close()
+
+
+def _target_score(m: Member, prompt_tokens: int) -> tuple:
+    rec = m.record
+    if rec is None or rec.free_sequences() is None:
+        return (1, -m.inflight, 0)  # static: fewest of this coordinator's sequences
+    live = max(m.reported("live_sequences"), m.inflight)
+    free_seq = int(rec.capacity["max_sequences"]) - live
+    free_tok = rec.free_tokens() if rec.free_tokens() is not None else 0
+    fits = free_seq > 0 and free_tok >= prompt_tokens
+    return (1 if fits else 0, free_seq, free_tok)
+
+
+class TargetLease:
+    """A sequence's target worker (a TargetClient): every call goes to the worker that prefilled it;
+    release() also frees the slot this coordinator counts against the worker."""
+
+    def __init__(self, pool: "TargetPool", member: Member):
+        self.pool, self.member = pool, member
+        self.client = member.client
+        self.address = member.address
+        self._released = False
+
+    def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float) -> int:
+        return self._call(self.client.prefill, seq_id, prompt, params, timeout)
+
+    def verify(self, seq_id: str, draft: DraftProposal, timeout: float) -> VerifyOutcome:
+        return self._call(self.client.verify, seq_id, draft, timeout)
+
+    def status(self, timeout: float = 5.0):
+        return self.client.status(timeout)
+
+    def release(self, seq_id: str) -> None:
+        try:
+            self.client.release(seq_id)
+        finally:
+            if not self._released:
+                self._released = True
+                self.pool.members.done(self.member)
+
+    def _call(self, fn, *args):
+        try:
+            return fn(*args)
+        except Unavailable:
+            self.pool.members.mark_down(self.member, self.pool.retry_after_s)
+            raise
+
 
 class TargetPool:
-    """Picks a target worker per new sequence (round-robin)."""
+    """Picks a target worker per new sequence (most free KV capacity; see the module doc)."""
 
-    def __init__(self, addresses: tuple[str, ...]):
-        self.clients = [GrpcTargetClient(a) for a in addresses]
-        self._next = itertools.cycle(range(len(self.clients)))
-        self._lock = threading.Lock()
+    def __init__(self, addresses: tuple[str, ...] = (), retry_after_s: float = 2.0):
+        self.members = Members(addresses, GrpcTargetClient, "target")
+        self.retry_after_s = retry_after_s
 
-    def pick(self) -> GrpcTargetClient:
-        with self._lock:
-            return self.clients[next(self._next)]
+    @property
+    def clients(self) -> list[GrpcTargetClient]:
+        return [m.client for m in self.members.snapshot()]
+
+    def update(self, records) -> None:
+        self.members.update(records)
+
+    def pick(self, exclude=(), prompt_tokens: int = 0) -> TargetLease:
+        with self.members.lock:
+            cands = self.members.candidates(exclude)
+            if not cands:
+                known = len(self.members.by_addr)
+                raise Unavailable(f"no target worker available ({known} known, {len(exclude)} already tried, "
+                                  "others down or draining)" if known else "no target worker registered")
+            best = max(cands, key=lambda m: _target_score(m, prompt_tokens))
+            best.inflight += 1
+        return TargetLease(self, best)
 
 
 class GrpcDraftPool:
-    """Round-robin over draft workers; a worker that fails is skipped for retry_after_s.
+    """Least-loaded draft worker per round; a worker that fails is skipped for retry_after_s."""
 
-    Any draft worker can serve any round (they only cache, keyed by seq_id), so a round simply
-    goes to the next healthy one."""
-
-    def __init__(self, addresses: tuple[str, ...], retry_after_s: float):
-        self.stubs = [(a, pb_grpc.DraftWorkerStub(make_channel(a))) for a in addresses]
+    def __init__(self, addresses: tuple[str, ...] = (), retry_after_s: float = 2.0):
+        self.members = Members(addresses, GrpcDraftClient, "draft")
         self.retry_after_s = retry_after_s
-        self._down_until = [0.0] * len(self.stubs)
-        self._rr = itertools.count()
-        self._lock = threading.Lock()
+        self._served: dict[str, set[str]] = {}  # seq_id -> draft workers that hold its draft cache
 
-    def _pick(self) -> int:
-        with self._lock:
-            now = time.monotonic()
-            for _ in range(len(self.stubs)):
-                i = next(self._rr) % len(self.stubs)
-                if self._down_until[i] <= now:
-                    return i
-        raise Unavailable("no draft worker is healthy")
+    @property
+    def stubs(self) -> list[tuple[str, Any]]:
+        return [(m.address, m.client.stub) for m in self.members.snapshot()]
+
+    def update(self, records) -> None:
+        self.members.update(records)
+
+    def _pick(self, seq_id: str, method: str) -> Member:
+        with self.members.lock:
+            if not self.members.by_addr:
+                raise Unavailable("no draft workers configured")
+            cands = self.members.candidates(ok=lambda m: m.record is None or m.record.serves(method))
+            if not cands:
+                raise Unavailable("no draft worker is healthy")
+            served = self._served.get(seq_id, ())
+            best = min(cands, key=lambda m: (max(m.inflight, m.reported("inflight")), m.address not in served))
+            best.inflight += 1
+            self._served.setdefault(seq_id, set()).add(best.address)
+        return best
 
     def propose(self, seq_id: str, context: list[int], k: int, method: str, params: SamplingParams,
                 round_: int, timeout: float) -> DraftProposal:
-        if not self.stubs:
-            raise Unavailable("no draft workers configured")
-        i = self._pick()
-        address, stub = self.stubs[i]
+        member = self._pick(seq_id, method)
         req = pb.ProposeRequest(seq_id=seq_id, context=context, num_tokens=k, method=method,
                                 sampling=sampling_to_pb(params), round=round_)
         try:
-            resp = stub.Propose(req, timeout=timeout)
+            resp = member.client.stub.Propose(req, timeout=timeout)
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
-                with self._lock:
-                    self._down_until[i] = time.monotonic() + self.retry_after_s
-            raise_from_rpc(err, f"draft worker {address}")
+                self.members.mark_down(member, self.retry_after_s)
+            raise_from_rpc(err, f"draft worker {member.address}")
+        finally:
+            self.members.done(member)
         return proposal_from_pb(resp.token_ids, resp.probs, resp.vocab_size)
 
     def release(self, seq_id: str) -> None:
         # best effort and asynchronous: the draft cache is only an optimisation (LRU-bounded)
-        for _, stub in self.stubs:
-            stub.Release.future(pb.ReleaseDraftRequest(seq_id=seq_id), timeout=2.0)
+        with self.members.lock:
+            addresses = self._served.pop(seq_id, ())
+            targets = [self.members.by_addr[a] for a in addresses if a in self.members.by_addr]
+        for m in targets:
+            m.client.stub.Release.future(pb.ReleaseDraftRequest(seq_id=seq_id), timeout=2.0)
+
+
+def pools_from_config(cfg, ccfg=None):
+    """(TargetPool, GrpcDraftPool, watcher|None): static lists, or fed by the registry when
+    registry.url is set (then coordinator.*_workers are ignored)."""
+    ccfg = ccfg or cfg.coordinator
+    dynamic = bool(cfg.registry.url)
+    targets = TargetPool(() if dynamic else ccfg.target_workers, ccfg.draft_retry_after_s)
+    drafts = GrpcDraftPool(() if dynamic else ccfg.draft_workers, ccfg.draft_retry_after_s)
+    watcher = None
+    if dynamic:
+        from specmesh.registry.store import Registry
+        from specmesh.registry.watch import RegistryWatcher
+
+        watcher = RegistryWatcher(Registry.from_config(cfg.registry), {"target": targets.update, "draft": drafts.update},
+                                  cfg.registry.poll_interval_s).start()
+    return targets, drafts, watcher

@@ -7,6 +7,13 @@ interfaces (TargetClient, DraftPool), so it knows nothing of protobuf.
         n, tokens = verify(d_1..d_k)               (target; tokens = d_1..d_n + one target token)
         stream tokens
     release(seq)                                    (always: finish, cancel or error)
+
+Target failover (only when a `reroute` callable is given, as the coordinator does): if the
+target worker holding the sequence fails (UNAVAILABLE: died, draining, full; NOT_FOUND: it
+restarted and lost the cache; or one call outlives target_timeout_s), the sequence is
+re-prefilled on another target with prompt + every token emitted so far, whose first token is
+the next output token, at most max_reroutes times; then the request fails UNAVAILABLE. At T=0
+the output is unchanged; at T>0 the sampling stream restarts (same distribution, other draws).
 """
 
 from __future__ import annotations
@@ -18,7 +25,7 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 from specmesh.core.types import DraftProposal, GenerationRequest, SamplingParams, SpecStats, VerifyOutcome
-from specmesh.errors import Cancelled, DeadlineExceeded, SpecmeshError
+from specmesh.errors import Cancelled, DeadlineExceeded, NotFound, SpecmeshError, Unavailable
 from specmesh.tokenization import OutputAssembler
 
 log = logging.getLogger(__name__)
@@ -47,14 +54,23 @@ class Generation:
     """Drives one request; iterate `run()` for chunks. `stats` is filled as it goes."""
 
     def __init__(self, req: GenerationRequest, target: TargetClient, drafts: DraftPool | None,
-                 tokenizer, eos_token_ids: set[int], draft_timeout_s: float, is_active=lambda: True):
+                 tokenizer, eos_token_ids: set[int], draft_timeout_s: float, is_active=lambda: True,
+                 reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
+                 control=None, observer=None):
         self.req, self.target, self.drafts = req, target, drafts
+        # control: a SpeculationControl (admin hot switch), read every round; observer(method, drafted,
+        # accepted, emitted, draft_s, verify_s) is called after every verify round (metrics)
+        self.control, self.observer = control, observer
+        self._drafted_any = False
+        self.reroute, self.max_reroutes, self.target_timeout_s = reroute, max_reroutes, target_timeout_s
+        self.reroutes = 0
+        self._tried: list[str] = []
         self.out = OutputAssembler(tokenizer, req.max_tokens, eos_token_ids, tuple(req.stop))
         self.draft_timeout_s = draft_timeout_s
         self.is_active = is_active
         self.stats = SpecStats()
         self.seq_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
-        self.method = req.method if req.k > 0 and drafts is not None else "off"
+        self.method, self.k = self._settings()
         self.ttft_s: float | None = None
 
     def _remaining(self) -> float:
@@ -68,7 +84,7 @@ class Generation:
     def run(self) -> Iterator[Chunk]:
         started = time.monotonic()
         try:
-            first = self.target.prefill(self.seq_id, self.req.prompt_ids, self.req.params, self._remaining())
+            first = self._prefill_with_failover()
             self.ttft_s = time.monotonic() - started
             yield self._emit([first])
             while not self.out.finish_reason:
@@ -82,17 +98,36 @@ class Generation:
         ids, text = self.out.add(tokens)
         return Chunk(ids, text, self.out.finish_reason)
 
+    def _settings(self) -> tuple[str, int]:
+        """This round's (drafter, k): the request's own, through the hot switch when there is one."""
+        if self.drafts is None:
+            return "off", 0
+        method, k = (self.req.method, self.req.k) if self.control is None \
+            else self.control.effective(self.req.method, self.req.k)
+        return (method, k) if k > 0 else ("off", 0)
+
     def _k_this_round(self) -> int:
         # a round emits up to k+1 tokens: never draft past max_tokens
+        self.method, self.k = self._settings()
         left = self.req.max_tokens - len(self.out.token_ids)
-        return max(0, min(self.req.k, left - 1))
+        return max(0, min(self.k, left - 1))
 
     def _round(self) -> list[int]:
+        draft_s = self.stats.draft_time_s
         draft = self._draft(self._k_this_round())
         t0 = time.monotonic()
-        outcome = self.target.verify(self.seq_id, draft, self._remaining())
-        self.stats.verify_time_s += time.monotonic() - t0
+        try:
+            outcome = self.target.verify(self.seq_id, draft, self._call_timeout())
+        except (Unavailable, NotFound, DeadlineExceeded) as exc:
+            if not self._may_reroute(exc):
+                raise
+            return [self._failover(exc)]
+        finally:
+            self.stats.verify_time_s += time.monotonic() - t0
         self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens))
+        if self.observer is not None:
+            self.observer(self.method, len(draft.token_ids), outcome.accepted, len(outcome.tokens),
+                          self.stats.draft_time_s - draft_s, time.monotonic() - t0)
         return outcome.tokens
 
     def _draft(self, k: int) -> DraftProposal:
@@ -100,6 +135,7 @@ class Generation:
             return DraftProposal([], None)
         context = self.req.prompt_ids + self.out.token_ids
         t0 = time.monotonic()
+        self._drafted_any = True
         try:
             timeout = min(self.draft_timeout_s, self._remaining())
             draft = self.drafts.propose(self.seq_id, context, k, self.method, self.req.params,
@@ -122,10 +158,60 @@ class Generation:
                         self.req.request_id, why)
         return DraftProposal([], None)
 
+    # ------------------------------------------------------------------ target failover
+    def _call_timeout(self) -> float:
+        left = self._remaining()
+        return left if self.target_timeout_s is None else min(left, self.target_timeout_s)
+
+    def _may_reroute(self, exc: SpecmeshError) -> bool:
+        if self.reroute is None or self.reroutes >= self.max_reroutes:
+            return False
+        if isinstance(exc, DeadlineExceeded):  # only a capped call, never the request's own deadline
+            return self.req.deadline is None or time.monotonic() < self.req.deadline
+        return True
+
+    def _prefill_with_failover(self) -> int:
+        try:
+            return self.target.prefill(self.seq_id, self.req.prompt_ids, self.req.params, self._call_timeout())
+        except (Unavailable, NotFound, DeadlineExceeded) as exc:
+            if not self._may_reroute(exc):
+                raise
+            return self._failover(exc)
+
+    def _failover(self, exc: SpecmeshError) -> int:
+        """Move the sequence to another target: prefill prompt + output so far; the next token."""
+        context = self.req.prompt_ids + self.out.token_ids
+        while True:
+            self.reroutes += 1
+            old = self.target
+            self._tried.append(getattr(old, "address", repr(old)))
+            log.warning("request %s: target %s failed (%s); re-prefilling %d tokens elsewhere (failover %d/%d)",
+                        self.req.request_id, self._tried[-1], exc, len(context), self.reroutes, self.max_reroutes)
+            self._release_target(old)
+            try:
+                self.target = self.reroute(tuple(self._tried))
+            except SpecmeshError as none_left:
+                self.target = old  # nothing else to hold; _release() releases it again, harmlessly
+                raise Unavailable(f"target worker failed ({exc}); {none_left}") from exc
+            try:
+                return self.target.prefill(self.seq_id, context, self.req.params, self._call_timeout())
+            except (Unavailable, NotFound, DeadlineExceeded) as again:
+                if self.req.deadline is not None and time.monotonic() >= self.req.deadline:
+                    raise
+                if not self._may_reroute(again):
+                    raise Unavailable(f"target workers failed {self.reroutes} time(s); last: {again}") from again
+                exc = again
+
+    def _release_target(self, target) -> None:
+        try:
+            target.release(self.seq_id)
+        except SpecmeshError as exc:
+            log.info("release of %s on a failed target: %s", self.seq_id, exc)
+
     def _release(self) -> None:
         try:
             self.target.release(self.seq_id)
         except SpecmeshError as exc:
             log.warning("release of %s failed: %s (the worker reclaims it when idle)", self.seq_id, exc)
-        if self.drafts is not None and self.method != "off":
+        if self.drafts is not None and (self.method != "off" or self._drafted_any):
             self.drafts.release(self.seq_id)

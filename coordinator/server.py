@@ -6,32 +6,50 @@ import dataclasses
 import logging
 import sys
 
-from coordinator.clients import GrpcDraftPool, TargetPool
+from coordinator import observe
+from coordinator.admin import CoordinatorAdminServicer
+from coordinator.clients import GrpcDraftPool, TargetPool, pools_from_config
+from coordinator.control import SpeculationControl
 from coordinator.loop import Generation
 from specmesh.core.types import GenerationRequest
 from specmesh.config import ConfigError, MeshConfig
 from specmesh.errors import ModelIntegrityError
+from specmesh.registry.worker import WorkerLifecycle
 from specmesh.rpc.convert import stats_to_pb
 from specmesh.rpc.requests import Limits, decode_request
-from specmesh.rpc.server import Service
+from specmesh.rpc.admission import deadline_from
+from specmesh.rpc.server import Service, service_options
 from specmesh.runtime import service_args, start_process
+from specmesh.telemetry.workers import admission_limiter
 from specmesh.tokenization import PromptEncoder, model_encoder
 from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.v1 import admin_pb2_grpc as apb_grpc
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
 
 
 class CoordinatorServicer(pb_grpc.CoordinatorServicer):
-    def __init__(self, cfg: MeshConfig, encoder: PromptEncoder, targets: TargetPool, drafts: GrpcDraftPool):
+    def __init__(self, cfg: MeshConfig, encoder: PromptEncoder, targets: TargetPool, drafts: GrpcDraftPool,
+                 control: SpeculationControl | None = None):
         self.cfg, self.encoder, self.targets, self.drafts = cfg, encoder, targets, drafts
         self.limits = Limits(cfg.gateway.max_tokens_limit, cfg.gateway.max_stop_strings)
+        # the admin hot switch (served by CoordinatorAdminServicer) and backpressure
+        self.control = control or SpeculationControl(cfg.speculative.max_speculative_tokens,
+                                                     on_change=observe.speculation_changed)
+        self.admission = admission_limiter("coordinator", cfg.backpressure.coordinator)
+        self.model = observe.model_name(cfg)
 
     def _generation(self, request, context) -> Generation:
+        left, limit = context.time_remaining(), self.cfg.gateway.max_deadline_s  # clamped here too
         req: GenerationRequest = decode_request(request, self.encoder, self.limits, self.cfg.speculative,
-                                                context.time_remaining())
-        return Generation(req, self.targets.pick(), self.drafts, self.encoder.tokenizer,
-                          self.encoder.eos_token_ids, self.cfg.coordinator.draft_timeout_s, context.is_active)
+                                                limit if left is None else min(left, limit))
+        c = self.cfg.coordinator
+        return Generation(req, self.targets.pick(prompt_tokens=len(req.prompt_ids)), self.drafts,
+                          self.encoder.tokenizer, self.encoder.eos_token_ids, c.draft_timeout_s, context.is_active,
+                          reroute=lambda tried: self.targets.pick(exclude=tried, prompt_tokens=len(req.prompt_ids)),
+                          max_reroutes=c.max_target_failovers, target_timeout_s=c.target_call_timeout_s,
+                          control=self.control, observer=observe.on_round)
 
     def _final(self, gen: Generation, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))
@@ -39,18 +57,29 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                    spec=stats_to_pb(gen.stats, gen.method), request_id=gen.req.request_id, **fields)
 
     def Generate(self, request, context):
-        gen = self._generation(request, context)
-        for _ in gen.run():
-            pass
-        return self._final(gen, pb.GenerateResponse, text=gen.out.text, token_ids=gen.out.token_ids)
+        with self.admission.slot(deadline_from(context)):
+            gen = self._generation(request, context)
+            tel = observe.RequestTelemetry(gen, self.model, request.raw, self.control)
+            try:
+                for _ in gen.run():
+                    pass
+            finally:
+                tel.finish()
+            return self._final(gen, pb.GenerateResponse, text=gen.out.text, token_ids=gen.out.token_ids)
 
     def GenerateStream(self, request, context):
-        gen = self._generation(request, context)
-        for chunk in gen.run():
-            if chunk.finish_reason:
-                yield self._final(gen, pb.GenerateChunk, text=chunk.text, token_ids=chunk.token_ids)
-            elif chunk.token_ids or chunk.text:
-                yield pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids, request_id=gen.req.request_id)
+        with self.admission.slot(deadline_from(context)):
+            gen = self._generation(request, context)
+            tel = observe.RequestTelemetry(gen, self.model, request.raw, self.control)
+            try:
+                for chunk in gen.run():
+                    if chunk.finish_reason:
+                        yield self._final(gen, pb.GenerateChunk, text=chunk.text, token_ids=chunk.token_ids)
+                    elif chunk.token_ids or chunk.text:
+                        yield pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
+                                               request_id=gen.req.request_id)
+            finally:
+                tel.finish()
 
 
 def main(argv=None) -> int:
@@ -62,12 +91,18 @@ def main(argv=None) -> int:
     except (ConfigError, ModelIntegrityError) as exc:
         print(f"coordinator: refusing to start: {exc}", file=sys.stderr)
         return 2
-    servicer = CoordinatorServicer(cfg, encoder, TargetPool(ccfg.target_workers),
-                                   GrpcDraftPool(ccfg.draft_workers, ccfg.draft_retry_after_s))
-    service = Service("specmesh.v1.Coordinator", ccfg.listen,
-                      lambda s: pb_grpc.add_CoordinatorServicer_to_server(servicer, s), ccfg.max_workers)
+    opts = service_options(cfg, "coordinator")  # first: turns mesh mTLS on for the channels made next
+    targets, drafts, watcher = pools_from_config(cfg, ccfg)
+    servicer = CoordinatorServicer(cfg, encoder, targets, drafts)
+
+    def register(server) -> None:
+        pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
+        apb_grpc.add_AdminServicer_to_server(CoordinatorAdminServicer(servicer.control), server)
+
+    service = Service("specmesh.v1.Coordinator", ccfg.listen, register, ccfg.max_workers, **opts)
     service.start()
-    service.wait_for_signal()
+    presence = WorkerLifecycle(cfg.registry, "coordinator").attach(service)  # listed in the registry, if any
+    service.wait_for_signal(on_stop=lambda: (presence.deregister(), watcher and watcher.stop()))
     return 0
 
 

@@ -63,13 +63,13 @@ def _draft_seed(seed: int, seq_id: str, round_: int) -> int:
 class ModelDrafter:
     name = "draft_model"
 
-    def __init__(self, model, max_batch_size: int, cache_max_sequences: int):
+    def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024):
         self.model = model
         self.vocab_size = model.config.get_text_config().vocab_size
         self._cache: OrderedDict[str, _Cached] = OrderedDict()
         self._cache_max = cache_max_sequences
         self._lock = threading.Lock()
-        self.batcher = Batcher(self._run_batch, max_batch_size, name="draft-batcher")
+        self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="draft-batcher")
 
     def propose(self, job: ProposeJob, timeout: float | None = None) -> DraftProposal:
         if job.k == 0:

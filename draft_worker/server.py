@@ -5,14 +5,19 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+import threading
 
 from draft_worker.drafters import ModelDrafter, NgramDrafter, ProposeJob
 from specmesh.config import ConfigError, MeshConfig
 from specmesh.engine.loader import load_configured_model
 from specmesh.errors import InvalidArgument, ModelIntegrityError
 from specmesh.rpc.convert import probs_to_bytes, sampling_from_pb
-from specmesh.rpc.server import Service
+from specmesh.registry.worker import DrainingService, WorkerLifecycle
+from specmesh.rpc.admission import deadline_from
+from specmesh.rpc.server import service_options
 from specmesh.runtime import service_args, start_process
+from specmesh.telemetry.tracing import set_attributes
+from specmesh.telemetry.workers import admission_limiter, watch_batcher
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
@@ -20,11 +25,28 @@ log = logging.getLogger(__name__)
 
 
 class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
-    def __init__(self, drafters: dict, max_k: int):
+    def __init__(self, drafters: dict, max_k: int, admission=None):
         self.drafters = drafters
         self.max_k = max_k
+        self.admission = admission  # an AdmissionLimiter for Propose (None: unlimited)
+        self.inflight = 0  # Propose calls running now (published as load with a registry)
+        self.served = 0  # Propose calls answered since start
+        self._count_lock = threading.Lock()
 
     def Propose(self, request, context):
+        with self._count_lock:
+            self.inflight += 1
+        try:
+            if self.admission is None:
+                return self._propose(request, context)
+            with self.admission.slot(deadline_from(context)):
+                return self._propose(request, context)
+        finally:
+            with self._count_lock:
+                self.inflight -= 1
+                self.served += 1
+
+    def _propose(self, request, context):
         drafter = self.drafters.get(request.method)
         if drafter is None:
             raise InvalidArgument("method", f"{request.method!r} is not served here (have: {', '.join(self.drafters)})")
@@ -35,6 +57,9 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
         job = ProposeJob(request.seq_id, list(request.context), request.num_tokens,
                          sampling_from_pb(request.sampling), request.round)
         draft = drafter.propose(job, timeout=context.time_remaining())
+        set_attributes({"specmesh.drafter": request.method, "specmesh.seq_id": request.seq_id,
+                        "specmesh.num_speculative_tokens": request.num_tokens,
+                        "specmesh.drafted_tokens": len(draft.token_ids)})
         vocab = getattr(drafter, "vocab_size", 0) if draft.probs is not None else 0
         return pb.ProposeResponse(token_ids=draft.token_ids, probs=probs_to_bytes(draft.probs), vocab_size=vocab)
 
@@ -55,8 +80,19 @@ def build_drafters(cfg: MeshConfig) -> dict:
             _, model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest)
         else:  # no draft model configured: the target model drafts for itself
             _, model = load_configured_model(cfg.model.name, cfg.model.path, dm.dtype, cfg.model.require_manifest)
-        drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences)
+        bp = cfg.backpressure.draft_worker
+        drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences,
+                                               max_queue=bp.max_inflight + bp.max_queue)
     return drafters
+
+
+def lifecycle_for(cfg, wcfg, servicer: DraftWorkerServicer) -> WorkerLifecycle:
+    """Registration (methods, load) and drain: coordinators stop routing rounds here, then stop."""
+    return WorkerLifecycle(
+        cfg.registry, "draft", model=cfg.model.path or cfg.model.name, methods=tuple(servicer.drafters),
+        capacity={"max_batch_size": wcfg.max_batch_size},
+        load_fn=lambda: {"inflight": servicer.inflight, "served": servicer.served, "queue": 0},
+        is_idle=lambda: servicer.inflight == 0, drain_timeout_s=5.0)
 
 
 def main(argv=None) -> int:
@@ -68,10 +104,16 @@ def main(argv=None) -> int:
     except (ConfigError, ModelIntegrityError) as exc:
         print(f"draft_worker: refusing to start: {exc}", file=sys.stderr)
         return 2
-    servicer = DraftWorkerServicer(drafters, cfg.speculative.max_speculative_tokens)
-    service = Service("specmesh.v1.DraftWorker", wcfg.listen,
-                      lambda s: pb_grpc.add_DraftWorkerServicer_to_server(servicer, s), wcfg.max_workers)
+    bp = cfg.backpressure.draft_worker
+    servicer = DraftWorkerServicer(drafters, cfg.speculative.max_speculative_tokens,
+                                   admission_limiter("draft_worker", bp))
+    if "draft_model" in drafters:
+        watch_batcher("draft_worker", drafters["draft_model"].batcher)
+    service = DrainingService("specmesh.v1.DraftWorker", wcfg.listen,
+                              lambda s: pb_grpc.add_DraftWorkerServicer_to_server(servicer, s), wcfg.max_workers,
+                              **service_options(cfg, "draft_worker"))
     service.start()
+    lifecycle_for(cfg, wcfg, servicer).attach(service)
     service.wait_for_signal(on_stop=lambda: [d.close() for d in drafters.values()])
     return 0
 

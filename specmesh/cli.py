@@ -1,10 +1,16 @@
-"""The `specmesh` command: up, generate, health, fetch-model."""
+"""The `specmesh` command: up, generate, health, fetch-model, bench."""
 
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+
+from specmesh.auth.cli import add_client_arguments, call_metadata, client_channel
+from specmesh.auth.cli import add_commands as add_ops_commands
+from specmesh.bench import add_arguments as add_bench_arguments
+from specmesh.deploy_cli import add_commands as add_deploy_commands
+from specmesh.deploy_cli import add_up_arguments, up_mesh_kwargs
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -26,13 +32,13 @@ def _cmd_up(args) -> int:
     except ConfigError as exc:
         print(f"specmesh up: bad config: {exc}", file=sys.stderr)
         return 2
-    mesh = Mesh(cfg, args.config, args.log_dir)
     try:
+        mesh = Mesh(cfg, args.config, args.log_dir, **up_mesh_kwargs(args))
         mesh.start(timeout_s=args.start_timeout)
-    except RuntimeError as exc:
+    except (RuntimeError, ValueError) as exc:
         print(f"specmesh up: {exc}", file=sys.stderr)
         return 1
-    print(f"specmesh: mesh up; gateway at {cfg.gateway.listen} (Ctrl-C to stop)", file=sys.stderr)
+    print(f"specmesh: mesh up; gateway at {', '.join(mesh.gateways)} (Ctrl-C to stop)", file=sys.stderr)
     return mesh.run_until_signal()
 
 
@@ -75,11 +81,11 @@ def response_json(resp) -> dict:
     }
 
 
-def _stream(stub, req, timeout, as_json: bool) -> int:
+def _stream(stub, req, timeout, as_json: bool, metadata=None) -> int:
     from specmesh.v1 import specmesh_pb2 as pb
 
     final = pb.GenerateResponse()
-    for chunk in stub.GenerateStream(req, timeout=timeout):
+    for chunk in stub.GenerateStream(req, timeout=timeout, metadata=metadata):
         if not as_json:
             sys.stdout.write(chunk.text)
             sys.stdout.flush()
@@ -100,12 +106,12 @@ def _cmd_generate(args) -> int:
     from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
     req = build_request(args)
-    with grpc.insecure_channel(args.target) as channel:
+    with client_channel(args) as channel:
         stub = pb_grpc.GatewayStub(channel)
         try:
             if args.stream:
-                return _stream(stub, req, args.timeout, args.json)
-            resp = stub.Generate(req, timeout=args.timeout)
+                return _stream(stub, req, args.timeout, args.json, call_metadata(args))
+            resp = stub.Generate(req, timeout=args.timeout, metadata=call_metadata(args))
         except grpc.RpcError as err:
             print(f"{err.code().name}: {err.details()}", file=sys.stderr)
             return 1
@@ -119,16 +125,22 @@ def _cmd_health(args) -> int:
     from specmesh.v1 import specmesh_pb2 as pb
     from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
-    with grpc.insecure_channel(args.target) as channel:
+    with client_channel(args) as channel:
         try:
             resp = pb_grpc.GatewayStub(channel).Generate(pb.GenerateRequest(prompt="ping", max_tokens=1),
-                                                         timeout=args.timeout)
+                                                         timeout=args.timeout, metadata=call_metadata(args))
         except grpc.RpcError as err:
             print(f"unhealthy: {err.code().name}: {err.details()}", file=sys.stderr)
             return 1
     ok = len(resp.token_ids) == 1
     print("healthy" if ok else "unhealthy: generation returned no token")
     return 0 if ok else 1
+
+
+def _cmd_bench(args) -> int:
+    from specmesh.bench import run
+
+    return run(args)
 
 
 def _add_generate_args(p: argparse.ArgumentParser) -> None:
@@ -146,6 +158,7 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--stream", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")
+    add_client_arguments(p)
 
 
 def parser() -> argparse.ArgumentParser:
@@ -155,6 +168,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--config")
     p.add_argument("--log-dir", help="write each service's log to DIR/<service>.log")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    add_up_arguments(p)
     p.set_defaults(fn=_cmd_up)
     p = sub.add_parser("generate", help="call the gateway")
     _add_generate_args(p)
@@ -162,12 +176,19 @@ def parser() -> argparse.ArgumentParser:
     p = sub.add_parser("health", help="exit 0 only if the gateway completes a real generation")
     p.add_argument("--target", default=DEFAULT_TARGET)
     p.add_argument("--timeout", type=float, default=60.0)
+    add_client_arguments(p)
     p.set_defaults(fn=_cmd_health)
     p = sub.add_parser("fetch-model", help="download, verify and convert the default model")
     p.add_argument("--name", default="smollm2-135m-instruct")
     p.add_argument("--home", help="cache root (default $SPECMESH_HOME or ~/.cache/specmesh)")
     p.add_argument("--force", action="store_true")
     p.set_defaults(fn=_cmd_fetch_model)
+    p = sub.add_parser("bench", help="benchmark the mesh (speculation on/off, HF peers) or, with --micro, "
+                                     "the target's verify forward")
+    add_bench_arguments(p)
+    p.set_defaults(fn=_cmd_bench)
+    add_deploy_commands(sub)  # probe, workers, plan, ray
+    add_ops_commands(sub, DEFAULT_TARGET)  # keys, admin
     return root
 
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import re
 import types
 import typing
 from dataclasses import dataclass, field
@@ -18,10 +19,41 @@ from pathlib import Path
 
 import yaml
 
+from specmesh.config_ops import (  # noqa: E402  (sections of the production gateway / observability)
+    AdmissionConfig,
+    AuthConfig,
+    BackpressureConfig,
+    HealthConfig,
+    LoggingConfig,
+    MeshTlsConfig,
+    MetricsConfig,
+    PublicTlsConfig,
+    RateLimitConfig,
+    ShutdownConfig,
+    TlsConfig,
+    auth_env_override,
+)
+
 ENV_PREFIX = "SPECMESH_"
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 DRAFTERS = ("ngram", "draft_model")
 METHODS = ("off",) + DRAFTERS
+
+
+class _Yaml12BoolLoader(yaml.SafeLoader):
+    """YAML with only true/false as booleans, so `method: off` stays the string "off"."""
+
+
+_Yaml12BoolLoader.yaml_implicit_resolvers = {
+    ch: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
+}
+_Yaml12BoolLoader.add_implicit_resolver(
+    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
+
+
+def parse_yaml(text: str):
+    return yaml.load(text, Loader=_Yaml12BoolLoader)  # noqa: S506 - a SafeLoader subclass
 
 
 class ConfigError(ValueError):
@@ -68,7 +100,7 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True)
 class RuntimeConfig:
-    torch_threads: int = 0  # 0 = torch's default (all cores)
+    torch_threads: int = 1  # per process (0 = torch's default: all cores)
     log_level: str = "INFO"
 
     def validate(self, key: str) -> None:
@@ -102,6 +134,8 @@ class CoordinatorConfig:
     draft_timeout_s: float = 5.0  # a slower proposal counts as a draft failure (round runs with k=0)
     draft_retry_after_s: float = 2.0  # after a failure, skip that draft worker this long
     max_workers: int = 64
+    target_call_timeout_s: float = 120.0  # cap on one Prefill/Verify call: a hung target never hangs a request
+    max_target_failovers: int = 2  # a sequence whose target dies is re-prefilled elsewhere this often
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
@@ -112,6 +146,8 @@ class CoordinatorConfig:
             _check_address(addr, f"{key}.target_workers[{i}]")
         _check(self.draft_timeout_s > 0, f"{key}.draft_timeout_s", "must be > 0")
         _check(self.max_workers >= 1, f"{key}.max_workers", "must be >= 1")
+        _check(self.target_call_timeout_s > 0, f"{key}.target_call_timeout_s", "must be > 0")
+        _check(self.max_target_failovers >= 0, f"{key}.max_target_failovers", "must be >= 0")
 
 
 @dataclass(frozen=True)
@@ -173,11 +209,35 @@ class TargetWorkerConfig:
     max_batch_size: int = 16  # sequences verified in one forward
     cache: CacheConfig = field(default_factory=CacheConfig)
     max_workers: int = 64
+    drain_timeout_s: float = 30.0  # SIGTERM: take no new sequence, finish live ones up to this long
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
         _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
         self.cache.validate(f"{key}.cache")
+        _check(self.drain_timeout_s >= 0, f"{key}.drain_timeout_s", "must be >= 0")
+
+
+@dataclass(frozen=True)
+class RegistryConfig:
+    """Worker discovery. url null: static addresses (coordinator.*_workers). With a Redis url,
+    workers register themselves with a TTL heartbeat and coordinators watch the registry."""
+
+    url: str | None = None  # redis://host:port[/db]
+    namespace: str = "specmesh"  # key prefix: several meshes can share one Redis
+    heartbeat_interval_s: float = 1.0  # a worker refreshes its record (and its load) this often
+    ttl_s: float = 5.0  # a worker that stops heartbeating is dropped after this long
+    poll_interval_s: float = 0.5  # coordinators re-read the registry this often
+    advertise_host: str | None = None  # host others dial; null: the listen host (wildcard: hostname); "ip": this host's IP
+
+    def validate(self, key: str) -> None:
+        if self.url is not None:
+            _check(self.url.startswith(("redis://", "rediss://", "unix://")), f"{key}.url",
+                   "must be redis://host:port[/db] (or rediss://, unix://)")
+        _check(bool(self.namespace) and ":" not in self.namespace, f"{key}.namespace", "non-empty, no ':'")
+        _check(self.heartbeat_interval_s > 0, f"{key}.heartbeat_interval_s", "must be > 0")
+        _check(self.ttl_s > self.heartbeat_interval_s, f"{key}.ttl_s", "must be > heartbeat_interval_s")
+        _check(self.poll_interval_s > 0, f"{key}.poll_interval_s", "must be > 0")
 
 
 @dataclass(frozen=True)
@@ -189,6 +249,15 @@ class MeshConfig:
     coordinator: CoordinatorConfig = field(default_factory=CoordinatorConfig)
     draft_worker: DraftWorkerConfig = field(default_factory=DraftWorkerConfig)
     target_worker: TargetWorkerConfig = field(default_factory=TargetWorkerConfig)
+    registry: RegistryConfig = field(default_factory=RegistryConfig)
+    auth: AuthConfig = field(default_factory=AuthConfig)
+    ratelimit: RateLimitConfig = field(default_factory=RateLimitConfig)
+    backpressure: BackpressureConfig = field(default_factory=BackpressureConfig)
+    health: HealthConfig = field(default_factory=HealthConfig)
+    shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
+    metrics: MetricsConfig = field(default_factory=MetricsConfig)
+    tls: TlsConfig = field(default_factory=TlsConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
         for f in dataclasses.fields(self):
@@ -262,7 +331,7 @@ def env_overrides(environ=None) -> dict:
         if path[0] not in sections:
             continue
         try:
-            value = yaml.safe_load(raw) if raw != "" else None
+            value = parse_yaml(raw) if raw != "" else None
         except yaml.YAMLError as exc:
             raise ConfigError(f"{name}: not parseable ({exc})") from exc
         _set_path(out, path, value)
@@ -281,12 +350,12 @@ def load_config(path: str | os.PathLike | None = None, environ=None, overrides: 
     environ = os.environ if environ is None else environ
     path = path or environ.get("SPECMESH_CONFIG") or DEFAULT_CONFIG
     try:
-        data = yaml.safe_load(Path(path).read_text()) or {}
+        data = parse_yaml(Path(path).read_text()) or {}
     except FileNotFoundError as exc:
         raise ConfigError(f"config file {path} not found") from exc
     except yaml.YAMLError as exc:
         raise ConfigError(f"config file {path}: {exc}") from exc
-    data = _merge(_merge(data, env_overrides(environ)), overrides or {})
+    data = _merge(_merge(_merge(data, env_overrides(environ)), auth_env_override(environ)), overrides or {})
     cfg = _build(MeshConfig, data, "")
     cfg.validate()
     return cfg

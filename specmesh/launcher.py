@@ -1,14 +1,27 @@
-"""`specmesh up`: the four services as separate OS processes on loopback.
+"""`specmesh up`: the services as separate OS processes on loopback, each tier scaled on its own.
 
-Start order follows the dependencies (target, draft, coordinator, gateway); each must report
-SERVING on grpc.health.v1 before the next starts. Ctrl-C / SIGTERM stops them all (SIGTERM,
-then SIGKILL after a grace period); if any one dies, the rest are stopped too.
+Replicas: --target-workers M --draft-workers N --coordinators C --gateways G (default 1 each).
+The first replica of a service listens on its configured address; extra replicas take the next
+free ports after the highest configured port (or any free port with free_ports=True). Children
+are named <service> for the first replica and <service>_<i> for the others (logs: <name>.log).
+
+Wiring: without a registry the launcher passes the static lists: every coordinator gets all the
+worker addresses (SPECMESH_COORDINATOR__DRAFT_WORKERS / __TARGET_WORKERS) and gateway i talks to
+coordinator i mod C. With a registry (redis_url, or "local": a redis-server started and stopped
+with the mesh) every child gets SPECMESH_REGISTRY__URL: workers register, coordinators watch.
+
+Every child starts at once (nothing needs another at start: channels connect lazily); the mesh
+is up when all report SERVING on grpc.health.v1 (and, with a registry, every worker is
+registered). Ctrl-C / SIGTERM stops them all (SIGTERM, then SIGKILL after a grace period). A dead
+draft worker or a dead extra replica is reported and the mesh keeps serving; when the last
+gateway, coordinator or target worker is gone the rest are stopped too.
 """
 
 from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -20,12 +33,25 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from specmesh.config import MeshConfig
 
-SERVICES = (  # (name, module, config attribute holding `listen`)
+SERVICES = (  # (name, module, config attribute holding `listen`) in dependency order
     ("target_worker", "target_worker.server", "target_worker"),
     ("draft_worker", "draft_worker.server", "draft_worker"),
     ("coordinator", "coordinator.server", "coordinator"),
     ("gateway", "gateway.server", "gateway"),
 )
+ESSENTIAL = ("target_worker", "coordinator", "gateway")  # the mesh is down when one of these has no process
+
+
+@dataclass(frozen=True)
+class Scale:
+    target_workers: int = 1
+    draft_workers: int = 1
+    coordinators: int = 1
+    gateways: int = 1
+
+    def count(self, service: str) -> int:
+        return {"target_worker": self.target_workers, "draft_worker": self.draft_workers,
+                "coordinator": self.coordinators, "gateway": self.gateways}[service]
 
 
 @dataclass
@@ -34,35 +60,97 @@ class Child:
     address: str
     proc: subprocess.Popen
     log_path: Path | None
+    service: str = ""
+
+
+def port_free(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        try:
+            s.bind((host, port))
+            return True
+        except OSError:
+            return False
+
+
+def plan_addresses(cfg: MeshConfig, scale: Scale, free_ports: bool = False) -> dict[str, list[str]]:
+    """service -> listen address per replica (see the module doc)."""
+    taken = {int(getattr(cfg, sec).listen.rsplit(":", 1)[1]) for _, _, sec in SERVICES}
+    next_port = max(taken) + 1
+    out: dict[str, list[str]] = {}
+    for name, _, section in SERVICES:
+        first = getattr(cfg, section).listen
+        host = first.rsplit(":", 1)[0]
+        bind_host = "127.0.0.1" if host in ("localhost", "0.0.0.0", "") else host
+        addrs = [first] if scale.count(name) >= 1 else []
+        for _ in range(scale.count(name) - 1):
+            if free_ports:
+                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+                    s.bind((bind_host, 0))
+                    addrs.append(f"{host}:{s.getsockname()[1]}")
+                continue
+            while next_port in taken or not port_free(bind_host, next_port):
+                next_port += 1
+            taken.add(next_port)
+            addrs.append(f"{host}:{next_port}")
+        out[name] = addrs
+    return out
+
+
+def check_serving(address: str, timeout_s: float = 1.0, service: str = "") -> bool:
+    """One grpc.health.v1 Check: True only for SERVING."""
+    with grpc.insecure_channel(address) as channel:
+        try:
+            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                             timeout=timeout_s)
+            return resp.status == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> bool:
     """Poll grpc.health.v1 until SERVING; False on timeout or if proc exits first."""
     deadline = time.monotonic() + timeout_s
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
-        while time.monotonic() < deadline:
-            if proc is not None and proc.poll() is not None:
-                return False
-            try:
-                resp = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=1.0)
-                if resp.status == health_pb2.HealthCheckResponse.SERVING:
-                    return True
-            except grpc.RpcError:
-                pass
-            time.sleep(0.2)
+    while time.monotonic() < deadline:
+        if proc is not None and proc.poll() is not None:
+            return False
+        if check_serving(address):
+            return True
+        time.sleep(0.2)
     return False
 
 
 class Mesh:
-    def __init__(self, cfg: MeshConfig, config_path: str | None, log_dir: str | None, env: dict | None = None):
+    def __init__(self, cfg: MeshConfig, config_path: str | None, log_dir: str | None, env: dict | None = None,
+                 scale: Scale | None = None, redis_url: str | None = None, free_ports: bool = False):
         self.cfg, self.config_path = cfg, config_path
         self.log_dir = Path(log_dir) if log_dir else None
         self.env = dict(os.environ if env is None else env)
+        self.scale = scale or Scale()
+        self.redis_url = redis_url or cfg.registry.url
+        self.free_ports = free_ports
         self.children: list[Child] = []
+        self.addresses: dict[str, list[str]] = {}
+        self.local_redis = None
+        self._reported: set[str] = set()
 
-    def _spawn(self, name: str, module: str, address: str) -> Child:
-        cmd = [sys.executable, "-m", module]
+    @property
+    def gateways(self) -> list[str]:
+        return self.addresses.get("gateway", [])
+
+    def _child_env(self, service: str, index: int) -> dict:
+        env = dict(self.env)
+        if self.redis_url:
+            env["SPECMESH_REGISTRY__URL"] = self.redis_url
+        elif service == "coordinator":
+            env["SPECMESH_COORDINATOR__DRAFT_WORKERS"] = "[" + ", ".join(self.addresses["draft_worker"]) + "]"
+            env["SPECMESH_COORDINATOR__TARGET_WORKERS"] = "[" + ", ".join(self.addresses["target_worker"]) + "]"
+        if service == "gateway":
+            coords = self.addresses["coordinator"]
+            env["SPECMESH_GATEWAY__COORDINATOR"] = coords[index % len(coords)]
+        return env
+
+    def _spawn(self, name: str, module: str, address: str, service: str = "", index: int = 0) -> Child:
+        cmd = [sys.executable, "-m", module, "--listen", address]
         if self.config_path:
             cmd += ["--config", str(self.config_path)]
         log_path, out = None, None
@@ -70,26 +158,81 @@ class Mesh:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"{name}.log"
             out = open(log_path, "ab")
-        proc = subprocess.Popen(cmd, env=self.env, stdout=out, stderr=subprocess.STDOUT if out else None,
+        env = self._child_env(service, index) if service else self.env
+        proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True)
-        return Child(name, address, proc, log_path)
+        if out:
+            out.close()
+        return Child(name, address, proc, log_path, service)
 
     def start(self, timeout_s: float = 300.0) -> None:
-        for name, module, section in SERVICES:
-            address = getattr(self.cfg, section).listen
-            child = self._spawn(name, module, address)
-            self.children.append(child)
-            if not wait_serving(address, timeout_s, child.proc):
-                where = f" (see {child.log_path})" if child.log_path else ""
-                self.stop()
-                raise RuntimeError(f"{name} did not become SERVING on {address}{where}")
-            print(f"specmesh: {name} serving on {address} (pid {child.proc.pid})", file=sys.stderr)
+        if self.redis_url == "local":
+            from specmesh.registry.local_redis import LocalRedis
+
+            self.local_redis = LocalRedis().start()
+            self.redis_url = self.local_redis.url
+            print(f"specmesh: registry redis-server at {self.redis_url}", file=sys.stderr)
+        self.addresses = plan_addresses(self.cfg, self.scale, self.free_ports)
+        for service, module, _ in SERVICES:
+            for i, address in enumerate(self.addresses[service]):
+                name = service if i == 0 else f"{service}_{i}"
+                self.children.append(self._spawn(name, module, address, service, i))
+        try:
+            self._wait_all(time.monotonic() + timeout_s)
+        except RuntimeError:
+            self.stop()
+            raise
+
+    def _wait_all(self, deadline: float) -> None:
+        pending = list(self.children)
+        while pending:
+            for child in list(pending):
+                if child.proc.poll() is not None or time.monotonic() > deadline:
+                    where = f" (see {child.log_path})" if child.log_path else ""
+                    raise RuntimeError(f"{child.name} did not become SERVING on {child.address}{where}")
+                if check_serving(child.address):
+                    pending.remove(child)
+                    print(f"specmesh: {child.name} serving on {child.address} (pid {child.proc.pid})",
+                          file=sys.stderr)
+            time.sleep(0.2)
+        if self.redis_url:
+            self._wait_registered(deadline)
+
+    def _wait_registered(self, deadline: float) -> None:
+        from specmesh.registry.store import Registry, RegistryError
+
+        reg = Registry(self.redis_url, self.cfg.registry.namespace, self.cfg.registry.ttl_s)
+        want = {"target": set(self.addresses["target_worker"]), "draft": set(self.addresses["draft_worker"])}
+        try:
+            while time.monotonic() < deadline:
+                try:
+                    if all(want[t] <= {r.address for r in reg.list(t)} for t in want):
+                        time.sleep(2 * self.cfg.registry.poll_interval_s)  # coordinators' next poll
+                        return
+                except RegistryError:
+                    pass
+                time.sleep(0.2)
+        finally:
+            reg.close()
+        raise RuntimeError(f"workers did not all register in {self.redis_url}")
 
     def dead(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)
 
+    def fatal(self) -> str | None:
+        """Report newly exited children; the reason to stop when an essential tier is gone."""
+        for c in self.children:
+            if c.proc.poll() is not None and c.name not in self._reported:
+                self._reported.add(c.name)
+                print(f"specmesh: {c.name} exited with {c.proc.returncode}", file=sys.stderr)
+        for service in ESSENTIAL:
+            group = [c for c in self.children if (c.service or c.name) == service]
+            if group and all(c.proc.poll() is not None for c in group):
+                return f"no {service} left"
+        return None
+
     def stop(self, grace_s: float = 15.0) -> None:
-        for child in reversed(self.children):  # gateway first: stop taking new work
+        for child in reversed(self.children):  # gateways first: stop taking new work
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
@@ -99,15 +242,17 @@ class Mesh:
             except subprocess.TimeoutExpired:
                 child.proc.kill()
                 child.proc.wait()
+        if self.local_redis is not None:
+            self.local_redis.stop()
 
     def run_until_signal(self) -> int:
         got: list[int] = []
         for sig in (signal.SIGINT, signal.SIGTERM):
             signal.signal(sig, lambda s, _f: got.append(s))
         while not got:
-            dead = self.dead()
-            if dead:
-                print(f"specmesh: {dead.name} exited with {dead.proc.returncode}; stopping the mesh", file=sys.stderr)
+            reason = self.fatal()
+            if reason:
+                print(f"specmesh: {reason}; stopping the mesh", file=sys.stderr)
                 self.stop()
                 return 1
             time.sleep(0.5)

@@ -50,7 +50,8 @@ class VerifyJob:
 
 
 class TargetEngine:
-    def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float):
+    def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float,
+                 max_queue: int = 1024):
         self.model = model
         cfg = model.config.get_text_config()
         self.vocab_size = cfg.vocab_size
@@ -58,7 +59,7 @@ class TargetEngine:
         self.max_sequences, self.max_tokens, self.idle_timeout_s = max_sequences, max_tokens, idle_timeout_s
         self._seqs: dict[str, Sequence] = {}
         self._lock = threading.Lock()
-        self.batcher = Batcher(self._run_batch, max_batch_size, name="target-batcher")
+        self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="target-batcher")
         self.last_batch_sizes: list[int] = []
 
     # ------------------------------------------------------------------ public API (any thread)
@@ -106,6 +107,18 @@ class TargetEngine:
 
     def live_sequences(self) -> int:
         return len(self._seqs)
+
+    def held_tokens(self) -> int:
+        with self._lock:
+            return sum(s.kv.length for s in self._seqs.values())
+
+    def idle_for(self, now: float | None = None) -> float:
+        """Seconds since any live sequence was last used (inf when none is held, 0 while one is busy)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            if any(s.busy for s in self._seqs.values()):
+                return 0.0
+            return min((now - s.last_used for s in self._seqs.values()), default=float("inf"))
 
     def kv_bytes(self) -> int:
         with self._lock:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import sys
@@ -9,10 +10,14 @@ import threading
 
 from specmesh.config import ConfigError
 from specmesh.engine.loader import load_configured_model
-from specmesh.errors import ModelIntegrityError
+from specmesh.errors import ModelIntegrityError, Unavailable
+from specmesh.registry.worker import DrainingService, WorkerLifecycle
 from specmesh.rpc.convert import proposal_from_pb, sampling_from_pb
-from specmesh.rpc.server import Service
+from specmesh.rpc.admission import deadline_from
+from specmesh.rpc.server import service_options
 from specmesh.runtime import service_args, start_process
+from specmesh.telemetry.tracing import set_attributes
+from specmesh.telemetry.workers import admission_limiter, watch_target_engine
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 from target_worker.engine import TargetEngine
@@ -21,19 +26,31 @@ log = logging.getLogger(__name__)
 
 
 class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
-    def __init__(self, engine: TargetEngine, model_name: str):
+    def __init__(self, engine: TargetEngine, model_name: str, admission=None):
         self.engine = engine
         self.model_name = model_name
+        self.admission = admission  # an AdmissionLimiter for Prefill/Verify (None: unlimited)
+        self.draining = False  # SIGTERM: no new sequence; live ones finish
 
     def Prefill(self, request, context):
-        token = self.engine.prefill(request.seq_id, list(request.prompt), sampling_from_pb(request.sampling),
-                                    timeout=context.time_remaining())
+        if self.draining:
+            raise Unavailable("target worker is draining; the sequence goes to another worker")
+        set_attributes({"specmesh.seq_id": request.seq_id, "specmesh.prompt_tokens": len(request.prompt)})
+        with self._slot(context):
+            token = self.engine.prefill(request.seq_id, list(request.prompt), sampling_from_pb(request.sampling),
+                                        timeout=context.time_remaining())
         return pb.PrefillResponse(token_id=token)
 
     def Verify(self, request, context):
         draft = proposal_from_pb(request.draft_token_ids, request.draft_probs, request.vocab_size)
-        out = self.engine.verify(request.seq_id, draft, timeout=context.time_remaining())
+        with self._slot(context):
+            out = self.engine.verify(request.seq_id, draft, timeout=context.time_remaining())
+        set_attributes({"specmesh.seq_id": request.seq_id, "specmesh.drafted_tokens": len(draft.token_ids),
+                        "specmesh.accepted_tokens": out.accepted, "specmesh.bonus": out.bonus})
         return pb.VerifyResponse(accepted=out.accepted, token_ids=out.tokens, bonus=out.bonus)
+
+    def _slot(self, context):
+        return self.admission.slot(deadline_from(context)) if self.admission is not None else contextlib.nullcontext()
 
     def Release(self, request, context):
         return pb.ReleaseResponse(released=self.engine.release(request.seq_id))
@@ -53,6 +70,24 @@ def _reclaimer(engine: TargetEngine, interval_s: float, stop: threading.Event) -
         engine.reclaim_idle()
 
 
+def lifecycle_for(cfg, wcfg, servicer: TargetWorkerServicer, model: str) -> WorkerLifecycle:
+    """Registration (capacity + load) and drain: refuse new sequences, wait for live ones."""
+    engine = servicer.engine
+
+    def load() -> dict:
+        return {"live_sequences": engine.live_sequences(), "held_tokens": engine.held_tokens(),
+                "queue": engine.batcher.qsize()}
+
+    return WorkerLifecycle(
+        cfg.registry, "target", model=model, load_fn=load,
+        capacity={"max_sequences": wcfg.cache.max_sequences, "max_tokens": wcfg.cache.max_tokens,
+                  "max_batch_size": wcfg.max_batch_size},
+        begin_drain=lambda: setattr(servicer, "draining", True),
+        # idle: nothing held, or nothing touched for 3 s (its coordinator is gone; the reclaimer frees it)
+        is_idle=lambda: engine.idle_for() > 3.0,
+        drain_timeout_s=wcfg.drain_timeout_s)
+
+
 def main(argv=None) -> int:
     args = service_args("specmesh target worker", argv)
     try:
@@ -63,14 +98,19 @@ def main(argv=None) -> int:
     except (ConfigError, ModelIntegrityError) as exc:
         print(f"target_worker: refusing to start: {exc}", file=sys.stderr)
         return 2
-    c = wcfg.cache
-    engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s)
-    servicer = TargetWorkerServicer(engine, str(model_dir))
-    service = Service("specmesh.v1.TargetWorker", wcfg.listen,
-                      lambda s: pb_grpc.add_TargetWorkerServicer_to_server(servicer, s), wcfg.max_workers)
+    c, bp = wcfg.cache, cfg.backpressure.target_worker
+    opts = service_options(cfg, "target_worker")
+    engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
+                          max_queue=bp.max_inflight + bp.max_queue)
+    watch_target_engine(engine, c.max_tokens)
+    servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
+    service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,
+                              lambda s: pb_grpc.add_TargetWorkerServicer_to_server(servicer, s), wcfg.max_workers,
+                              **opts)
     stop = threading.Event()
     threading.Thread(target=_reclaimer, args=(engine, c.reclaim_interval_s, stop), daemon=True).start()
     service.start()
+    lifecycle_for(cfg, wcfg, servicer, str(model_dir)).attach(service)
     service.wait_for_signal(on_stop=lambda: (stop.set(), engine.close()))
     return 0
 

@@ -45,6 +45,10 @@ class Batcher:
         return self._queue.qsize() + len(self._held)
 
     def submit(self, kind: str, payload: Any) -> Future:
+        if self._stop.is_set():
+            raise Unavailable("worker is shutting down")
+        if len(self._held) >= self._queue.maxsize:
+            raise Unavailable("worker queue is full; retry later")
         job = Job(kind, payload)
         try:
             self._queue.put_nowait(job)
@@ -53,8 +57,14 @@ class Batcher:
         return job.future
 
     def close(self) -> None:
+        """Stop the model thread; jobs still queued fail with UNAVAILABLE (nothing hangs)."""
         self._stop.set()
         self._thread.join(timeout=5)
+        leftover = self._held + [self._queue.get_nowait() for _ in range(self._queue.qsize())]
+        self._held = []
+        for job in leftover:
+            if job.future.set_running_or_notify_cancel():
+                job.future.set_exception(Unavailable("worker is shutting down"))
 
     def _next_batch(self) -> list[Job]:
         first = self._held.pop(0) if self._held else self._queue.get(timeout=0.1)
@@ -83,6 +93,11 @@ class Batcher:
                 results = self._run_batch(live[0].kind, [j.payload for j in live])
             except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
                 log.exception("batch of %d %s jobs failed", len(live), live[0].kind)
+                for j in live:
+                    j.future.set_exception(exc)
+                continue
+            if len(results) != len(live):
+                exc = RuntimeError(f"batch returned {len(results)} results for {len(live)} jobs")
                 for j in live:
                     j.future.set_exception(exc)
                 continue

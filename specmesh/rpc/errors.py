@@ -32,7 +32,15 @@ def status_code(exc: errors.SpecmeshError) -> grpc.StatusCode:
     return getattr(grpc.StatusCode, exc.code, grpc.StatusCode.INTERNAL)
 
 
+def typed(exc: BaseException) -> BaseException:
+    """Map the few untyped errors with an obvious status (a future's timeout) to typed ones."""
+    if isinstance(exc, TimeoutError):  # concurrent.futures.TimeoutError: the caller's deadline ran out
+        return errors.DeadlineExceeded(f"deadline exceeded: {exc}" if str(exc) else "deadline exceeded")
+    return exc
+
+
 def _abort(context: grpc.ServicerContext, exc: BaseException):
+    exc = typed(exc)
     if isinstance(exc, errors.SpecmeshError):
         if isinstance(exc, errors.ResourceExhausted) and exc.retry_after_s is not None:
             context.set_trailing_metadata((("retry-after", f"{exc.retry_after_s:.3f}"),))
@@ -72,6 +80,10 @@ def _wrap_stream(fn):
 def _is_abort(exc: BaseException) -> bool:
     # context.abort raises a plain Exception subclass private to grpc; let it through
     return type(exc).__module__.startswith("grpc")
+
+
+wrap_unary = _wrap_unary  # for interceptors that compose the mapping with their own wrapping
+wrap_stream = _wrap_stream
 
 
 class ErrorInterceptor(grpc.ServerInterceptor):

@@ -1,17 +1,25 @@
-"""Server start-up shared by the four services: interceptor, health, clean shutdown."""
+"""Server start-up shared by the four services: interceptors, health, TLS, metrics, shutdown.
+
+Every server runs the telemetry interceptor (span, request context, metrics, access log) around
+the one typed-error mapping (specmesh.rpc.errors). Channels between services carry the trace
+context (client interceptor) and use mTLS once `configure_mesh_tls` was given the mesh files.
+"""
 
 from __future__ import annotations
 
 import logging
 import signal
 import threading
+import time
 from concurrent import futures
+from dataclasses import dataclass
 from typing import Callable
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from specmesh.rpc.errors import ErrorInterceptor
+from specmesh.telemetry import metrics, tracing
+from specmesh.telemetry.interceptors import ClientInterceptor, ServerInterceptor
 
 log = logging.getLogger(__name__)
 
@@ -20,55 +28,155 @@ CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
 ]
+ROLES = {"Gateway": "gateway", "Coordinator": "coordinator", "DraftWorker": "draft_worker",
+         "TargetWorker": "target_worker", "Admin": "gateway"}
+MESH = "mesh"  # Service(credentials=MESH): mTLS when configured, else plaintext
 
 
-def make_channel(address: str) -> grpc.Channel:
-    return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
+@dataclass(frozen=True)
+class MeshTls:
+    channel: grpc.ChannelCredentials
+    server: grpc.ServerCredentials
+    server_name: str | None
+
+
+_mesh_tls: MeshTls | None = None
+
+
+def configure_mesh_tls(mesh_cfg) -> None:
+    """mesh_cfg: specmesh.config.MeshTlsConfig. All three files: every internal server requires a
+    client certificate signed by ca_file, every internal channel presents cert_file. None: off."""
+    global _mesh_tls
+    if mesh_cfg is None or mesh_cfg.cert_file is None:
+        _mesh_tls = None
+        return
+    key, cert, ca = _read(mesh_cfg.key_file), _read(mesh_cfg.cert_file), _read(mesh_cfg.ca_file)
+    _mesh_tls = MeshTls(
+        channel=grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert),
+        server=grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True),
+        server_name=mesh_cfg.server_name)
+
+
+def public_server_credentials(public_cfg) -> grpc.ServerCredentials | None:
+    """public_cfg: specmesh.config.PublicTlsConfig; None = plaintext."""
+    if public_cfg is None or public_cfg.cert_file is None:
+        return None
+    ca = _read(public_cfg.client_ca_file) if public_cfg.client_ca_file else None
+    return grpc.ssl_server_credentials([(_read(public_cfg.key_file), _read(public_cfg.cert_file))],
+                                       root_certificates=ca, require_client_auth=ca is not None)
+
+
+def make_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
+                 server_name: str | None = None) -> grpc.Channel:
+    """A channel to another service: mesh mTLS when configured (or the credentials given), and the
+    client interceptor that forwards trace context and request facts."""
+    options = list(CHANNEL_OPTIONS)
+    if credentials is None and _mesh_tls is not None:
+        credentials, server_name = _mesh_tls.channel, server_name or _mesh_tls.server_name
+    if server_name:
+        options.append(("grpc.ssl_target_name_override", server_name))
+    channel = grpc.secure_channel(address, credentials, options=options) if credentials is not None \
+        else grpc.insecure_channel(address, options=options)
+    return grpc.intercept_channel(channel, ClientInterceptor())
+
+
+def service_options(cfg, role: str) -> dict:
+    """Service(...) keyword arguments for `role` from the MeshConfig (also turns mesh mTLS on)."""
+    configure_mesh_tls(cfg.tls.mesh)
+    if cfg.logging.format != "json":
+        from specmesh.logs import setup_logging
+
+        setup_logging(role, cfg.runtime.log_level, cfg.logging.format)
+    bp = getattr(cfg.backpressure, role)
+    opts = dict(metrics_port=getattr(cfg.metrics, f"{role}_port"), metrics_host=cfg.metrics.host,
+                grace_s=cfg.shutdown.grace_s, min_workers=bp.max_inflight + bp.max_queue + 8)
+    if role == "gateway":
+        opts.update(credentials=public_server_credentials(cfg.tls.public), public=True)
+    return opts
 
 
 class Service:
-    """A started gRPC server with its health servicer; stop() drains with a grace period."""
+    """A started gRPC server with its health servicer; stop() drains with a grace period.
 
-    def __init__(self, name: str, listen: str, register: Callable[[grpc.Server], None], max_workers: int):
+    credentials: MESH (default: mesh mTLS if configured), None (plaintext) or ServerCredentials.
+    public: the interceptor trusts no x-specmesh-* metadata from callers (the gateway's port).
+    ready_on_start=False: NOT_SERVING until set_serving(True) (the gateway's probe decides)."""
+
+    def __init__(self, name: str, listen: str, register: Callable[[grpc.Server], None], max_workers: int, *,
+                 credentials=MESH, public: bool = False, metrics_port: int = 0, metrics_host: str = "127.0.0.1",
+                 grace_s: float = 10.0, min_workers: int = 0, ready_on_start: bool = True):
         self.name = name
+        self.role = ROLES.get(name.rsplit(".", 1)[-1], name)
+        tracing.setup_tracing(self.role)
+        self.draining = False  # health stays NOT_SERVING
+        self.refusing = False  # new RPCs get UNAVAILABLE (set by stop())
+        self.interceptor = ServerInterceptor(self.role, public=public, refusing=lambda: self.refusing)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix=name),
-            interceptors=[ErrorInterceptor()],
-            options=CHANNEL_OPTIONS,
+            futures.ThreadPoolExecutor(max_workers=max(max_workers, min_workers), thread_name_prefix=self.role),
+            interceptors=[self.interceptor],
+            # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
+            options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)],
         )
         register(self.server)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
-        self.port = self.server.add_insecure_port(listen)
+        if credentials == MESH:
+            credentials = _mesh_tls.server if _mesh_tls is not None else None
+        self.tls = credentials is not None
+        self.port = self.server.add_secure_port(listen, credentials) if credentials is not None \
+            else self.server.add_insecure_port(listen)
         if self.port == 0:
             raise RuntimeError(f"{name}: cannot listen on {listen}")
         self.listen = listen.rsplit(":", 1)[0] + f":{self.port}"
+        self.metrics_port, self.metrics_host = metrics_port, metrics_host
+        self.grace_s, self.ready_on_start = grace_s, ready_on_start
         self._stopped = threading.Event()
 
     def start(self) -> "Service":
         self.server.start()
-        self.set_serving(True)
-        log.info("%s listening on %s", self.name, self.listen)
+        self.set_serving(self.ready_on_start)
+        self.metrics_port = metrics.serve(self.metrics_host, self.metrics_port, self.role)
+        log.info("%s listening on %s%s", self.name, self.listen, " (TLS)" if self.tls else "")
         return self
 
     def set_serving(self, serving: bool) -> None:
+        serving = serving and not self.draining
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         self.health.set("", status)
         self.health.set(self.name, status)
 
-    def stop(self, grace_s: float = 10.0) -> None:
+    def stop(self, grace_s: float | None = None) -> None:
+        """NOT_SERVING; new RPCs get UNAVAILABLE; in-flight ones finish within grace_s; then stop."""
+        self.draining = True
         self.set_serving(False)
-        self.server.stop(grace_s).wait()
+        self.refusing = True
+        deadline = time.monotonic() + (self.grace_s if grace_s is None else grace_s)
+        while self.interceptor.inflight > 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        self.server.stop(max(0.0, deadline - time.monotonic())).wait()
         self._stopped.set()
 
-    def wait_for_signal(self, grace_s: float = 10.0, on_stop: Callable[[], None] | None = None) -> None:
-        """Block until SIGTERM/SIGINT, then stop taking work, drain, run on_stop, return."""
+    def wait_for_signal(self, grace_s: float | None = None, on_stop: Callable[[], None] | None = None,
+                        on_drain: Callable[[], None] | None = None) -> None:
+        """Block until SIGTERM/SIGINT; then NOT_SERVING, refuse new RPCs, let in-flight ones finish
+        within the grace period, run on_stop, flush traces, return (the process exits 0)."""
         got = threading.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             signal.signal(sig, lambda *_: got.set())
         while not got.wait(0.5) and not self._stopped.is_set():
             pass
-        log.info("%s stopping (grace %.1fs)", self.name, grace_s)
+        grace_s = self.grace_s if grace_s is None else grace_s
+        log.info("%s draining (grace %.1fs)", self.name, grace_s)
+        self.draining = True  # health: NOT_SERVING from now on
+        if on_drain:
+            on_drain()
         self.stop(grace_s)
         if on_stop:
             on_stop()
+        tracing.shutdown_tracing()
+        log.info("%s stopped", self.name)

@@ -85,3 +85,17 @@ def test_resume_is_exact(tmp_path):
     assert torch.equal(a["sampler_rng"], b["sampler_rng"])
     sa, sb = a["optimizer"]["state"], b["optimizer"]["state"]
     assert all(torch.equal(sa[i]["exp_avg_sq"], sb[i]["exp_avg_sq"]) for i in sa)
+
+
+def test_truncated_json_array_is_read_up_to_the_cut():
+    from specmesh.training.data import iter_json_array
+
+    text = '[\n {"a": 1},\n {"a": [2, 3]},\n {"a": "tru'
+    assert list(iter_json_array(text)) == [{"a": 1}, {"a": [2, 3]}]
+    assert list(iter_json_array("[]")) == []
+
+
+def test_position_weights_decay():
+    w = position_weights(5, 2.0)
+    assert w.shape == (4,) and w[0] == 1.0
+    assert torch.allclose(w[1] / w[0], torch.exp(torch.tensor(-0.5)))

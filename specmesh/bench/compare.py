@@ -1,0 +1,152 @@
+"""Cross-run comparisons and the result document: speedup vs AR, break-even concurrency,
+1-vs-8 throughput ratio, T=0 token identity (spec vs AR), machine facts, command line.
+
+speedup_vs_ar = output tokens/s of the run / output tokens/s of the mesh "ar" run at the same
+level (concurrency, or request rate in open loop); for the in-process peers too, so the
+hf_generate row shows the mesh's overhead against plain HF at batch 1.
+Token identity (temperature 0 only): every spec run's output of every prompt is compared with
+the mesh AR output of that prompt at the lowest level (concurrency 1 when run = unbatched).
+Peer differences (hf_generate vs mesh AR, hf_prompt_lookup vs hf_generate) are listed apart
+as `peer_mismatches`: HF computes its LM head in bf16, the mesh in fp32, so near-ties can
+legitimately pick another token.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import shlex
+import sys
+
+from specmesh.bench.metrics import break_even, first_difference, speedup
+
+NOTES = [
+    "hf_generate and hf_prompt_lookup run in-process at batch 1, i.e. concurrency 1 only.",
+    "Run order: per level, prompts split into two blocks (even/odd index); modes run M1..Mn on "
+    "block A then Mn..M1 on block B (ABBA), so machine drift weighs on every mode alike.",
+    "ITL: one gap per stream-message arrival (vLLM's definition; a message may carry several "
+    "tokens). itl_token_ms: per token, a message's n-1 extra tokens count as zero gaps.",
+    "TPOT = (E2E - TTFT) / (output tokens - 1). Acceptance length = tokens per target verify step.",
+]
+
+
+def command_line() -> str:
+    """The exact command line of this process, shell-quoted (`specmesh bench ...`)."""
+    prog = os.path.basename(sys.argv[0]) or "specmesh"
+    if prog in ("__main__.py", "cli.py"):
+        prog = "specmesh"
+    return shlex.join([prog] + sys.argv[1:])
+
+
+def machine_info() -> dict:
+    import torch
+    import transformers
+
+    cpu = platform.processor() or ""
+    try:
+        for line in open("/proc/cpuinfo", encoding="utf-8"):
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {
+        "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
+        "transformers": transformers.__version__, "python": platform.python_version(),
+        "platform": platform.platform(), "loadavg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+    }
+
+
+def _key(run: dict) -> float:
+    return run["request_rate"] if run.get("request_rate") is not None else run["concurrency"]
+
+
+def add_speedups(runs: list[dict]) -> None:
+    ar = {_key(r): r["output_tokens_per_s"] for r in runs if r["mode"] == "ar"}
+    for r in runs:
+        r["speedup_vs_ar"] = speedup(r["output_tokens_per_s"], ar.get(_key(r))) if r["mode"] != "ar" else 1.0
+        if r["mode"] == "ar" and not r["output_tokens_per_s"]:
+            r["speedup_vs_ar"] = None
+
+
+def break_evens(runs: list[dict]) -> dict[str, float | None]:
+    """Per drafter: the first level where spec no longer beats AR (None if it always does)."""
+    out = {}
+    for drafter in dict.fromkeys(r["drafter"] for r in runs if r["mode"] == "spec"):
+        sp = {_key(r): r["speedup_vs_ar"] for r in runs if r["mode"] == "spec" and r["drafter"] == drafter}
+        if any(v is not None for v in sp.values()):
+            out[drafter] = break_even(sp)
+    return out
+
+
+def throughput_ratios(runs: list[dict], lo: int = 1, hi: int = 8) -> dict[str, float]:
+    """tokens/s at concurrency hi / at concurrency lo, per mesh mode (closed loop)."""
+    out = {}
+    for r in runs:
+        if r["mode"] in ("spec", "ar") and r.get("request_rate") is None and r["concurrency"] == hi:
+            base = next((b for b in runs if b["mode"] == r["mode"] and b["drafter"] == r["drafter"]
+                         and b.get("request_rate") is None and b["concurrency"] == lo), None)
+            if base and base["output_tokens_per_s"]:
+                label = f"{r['mode']}/{r['drafter']}" if r["drafter"] else r["mode"]
+                out[label] = r["output_tokens_per_s"] / base["output_tokens_per_s"]
+    return out
+
+
+def _outputs(run: dict) -> dict[str, list[int]]:
+    return {rec.prompt_id: rec.token_ids for rec in run["_records"] if rec.ok}
+
+
+def _diffs(run: dict, ref: dict[str, list[int]], against: str) -> list[dict]:
+    out = []
+    for pid, tokens in _outputs(run).items():
+        if pid in ref and (pos := first_difference(tokens, ref[pid])) is not None:
+            out.append({"mode": run["mode"], "drafter": run["drafter"], "concurrency": run["concurrency"],
+                        "request_rate": run.get("request_rate"), "prompt_id": pid, "first_diff": pos,
+                        "against": against})
+    return out
+
+
+def mismatches(runs: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
+    """(spec vs AR, AR at other levels vs AR reference, peer differences)."""
+    ar_runs = sorted((r for r in runs if r["mode"] == "ar"), key=_key)
+    if not ar_runs:
+        return [], [], []
+    ref = _outputs(ar_runs[0])
+    spec = [d for r in runs if r["mode"] == "spec" for d in _diffs(r, ref, "ar")]
+    batching = [d for r in ar_runs[1:] for d in _diffs(r, ref, "ar")]
+    peers = []
+    hf = next((r for r in runs if r["mode"] == "hf_generate"), None)
+    if hf:
+        peers += _diffs(hf, ref, "ar")
+        peers += [d for r in runs if r["mode"] == "hf_prompt_lookup" for d in _diffs(r, _outputs(hf), "hf_generate")]
+    return spec, batching, peers
+
+
+def summarize_runs(runs: list[dict], args, num_prompts: int) -> dict:
+    """The result document (report.check_schema validates it)."""
+    order = {"spec": 0, "ar": 1, "hf_generate": 2, "hf_prompt_lookup": 3}
+    runs.sort(key=lambda r: (r.get("request_rate") is not None, _key(r), order.get(r["mode"], 9), r["drafter"] or ""))
+    add_speedups(runs)
+    by_drafter = break_evens(runs)
+    checked = args.temperature == 0 and any(r["mode"] == "ar" for r in runs)
+    spec_mm, batch_mm, peer_mm = mismatches(runs) if checked else ([], [], [])
+    first = next(iter(by_drafter.values()), None) if by_drafter else None
+    open_loop = any(r.get("request_rate") is not None for r in runs)
+    for r in runs:
+        r.pop("_records", None)
+    return {
+        "command": command_line(),
+        "dataset": args.dataset, "num_prompts": num_prompts, "max_tokens": args.max_tokens,
+        "temperature": args.temperature, "seed": args.seed, "k": getattr(args, "k", None),
+        "torch_threads_setting": getattr(args, "threads", 0),
+        "runs": runs,
+        "break_even_concurrency": None if open_loop else first,
+        "break_even_request_rate": first if open_loop else None,
+        "break_even_by_drafter": by_drafter,
+        "throughput_ratio_8_vs_1": throughput_ratios(runs),
+        "mismatch_checked": checked, "mismatches": len(spec_mm), "mismatch_details": spec_mm,
+        "batching_mismatches": batch_mm, "peer_mismatches": peer_mm,
+        "machine": machine_info(), "notes": NOTES,
+    }

@@ -1,0 +1,290 @@
+"""`specmesh bench`: the whole benchmark — stack, schedule, runs, comparisons, report.
+
+Modes: "spec" (one run per drafter in --drafters), and with --compare also "ar" (method "off"
+through the same mesh) and the in-process peers "hf_generate" / "hf_prompt_lookup" (batch 1,
+so only at concurrency 1).
+
+Run order (machine drift): at each load level the prompts are split into two blocks (even and
+odd prompt indices). Block A runs the modes in order M1..Mn, block B in reverse Mn..M1 (ABBA),
+so a slow linear drift of the machine over a level's runs weighs on every mode alike. Every
+mode still sees every prompt exactly once per level; its wall time is the sum of its blocks'.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import sys
+import tempfile
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+import yaml
+
+from specmesh.bench.datasets import Prompt
+from specmesh.bench.metrics import RequestRecord, aggregate
+from specmesh.bench.peers import PEER_MODES
+from specmesh.bench.runner import Client, RequestOptions
+
+
+@dataclass(frozen=True)
+class Mode:
+    mode: str  # spec | ar | hf_generate | hf_prompt_lookup
+    drafter: str | None = None
+
+    @property
+    def is_peer(self) -> bool:
+        return self.mode in PEER_MODES
+
+    @property
+    def label(self) -> str:
+        return f"{self.mode}/{self.drafter}" if self.drafter else self.mode
+
+
+@dataclass(frozen=True)
+class Level:
+    concurrency: int  # closed loop: clients; open loop: the in-flight cap
+    request_rate: float | None = None  # open loop: Poisson arrivals per second
+
+    @property
+    def key(self) -> float:
+        return self.request_rate if self.request_rate is not None else self.concurrency
+
+
+@dataclass
+class Acc:
+    """One (mode, level)'s records and wall time, accumulated over its blocks."""
+
+    records: list[RequestRecord] = field(default_factory=list)
+    wall_s: float = 0.0
+
+
+def free_ports(n: int) -> list[int]:
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def local_config(base_path: str | None, drafters: list[str], threads: int, out_dir: Path) -> Path:
+    """The config YAML for a local stack: base config, four free loopback ports, only the
+    drafters the run needs, torch threads."""
+    from specmesh.config import DEFAULT_CONFIG
+
+    data = yaml.safe_load(Path(base_path or DEFAULT_CONFIG).read_text()) or {}
+    gw, co, dw, tw = (f"127.0.0.1:{p}" for p in free_ports(4))
+    data.setdefault("gateway", {}).update(listen=gw, coordinator=co)
+    data.setdefault("coordinator", {}).update(listen=co, draft_workers=[dw], target_workers=[tw])
+    data.setdefault("draft_worker", {}).update(listen=dw, methods=list(drafters))
+    data.setdefault("target_worker", {})["listen"] = tw
+    if threads:
+        data.setdefault("runtime", {})["torch_threads"] = threads
+    path = out_dir / "bench-config.yaml"
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@contextlib.contextmanager
+def mesh_target(args, drafters: list[str]):
+    """Yields the gateway address: --target as given, else a local stack started for the run."""
+    if args.target:
+        yield args.target
+        return
+    from specmesh.config import load_config
+    from specmesh.launcher import Mesh
+
+    with tempfile.TemporaryDirectory(prefix="specmesh-bench-") as tmp:
+        path = local_config(args.config, drafters, args.threads, Path(tmp))
+        cfg = load_config(path)
+        log_dir = args.log_dir or str(Path(tmp) / "logs")
+        mesh = Mesh(cfg, str(path), log_dir)
+        print(f"bench: starting a local mesh (logs in {log_dir})", file=sys.stderr)
+        mesh.start(timeout_s=args.start_timeout)
+        try:
+            yield cfg.gateway.listen
+        finally:
+            mesh.stop()
+
+
+def plan(args) -> tuple[list[Mode], list[Level]]:
+    drafters = [d for d in args.drafters.split(",") if d]
+    modes = [Mode("spec", d) for d in drafters]
+    if args.compare:
+        modes.append(Mode("ar"))
+        if not args.no_peers:
+            modes += [Mode(m) for m in PEER_MODES]
+    if args.request_rate:
+        levels = [Level(args.max_concurrency, float(r)) for r in args.request_rate.split(",") if r]
+    else:
+        levels = [Level(int(c)) for c in args.concurrency.split(",") if c]
+    return modes, levels
+
+
+def schedule(modes: list[Mode], levels: list[Level], prompts: list[Prompt]):
+    """Yields (level, mode, [(index, prompt)]) in ABBA order per level (see the module doc).
+    Peers run once, at concurrency 1 (batch 1): with the closed-loop level 1 if there is one,
+    else in a level of their own."""
+    indexed = list(enumerate(prompts))
+    blocks = [b for b in (indexed[0::2], indexed[1::2]) if b]
+    mesh_modes = [m for m in modes if not m.is_peer]
+    peers = [m for m in modes if m.is_peer]
+    has_c1 = any(lv.concurrency == 1 and lv.request_rate is None for lv in levels)
+    runs = [(lv, mesh_modes + (peers if lv.concurrency == 1 and lv.request_rate is None else [])) for lv in levels]
+    if peers and not has_c1:
+        runs.insert(0, (Level(1), peers))
+    for level, level_modes in runs:
+        for b, block in enumerate(blocks):
+            for mode in (level_modes if b % 2 == 0 else list(reversed(level_modes))):
+                yield level, mode, block
+
+
+def request_options(args, mode: Mode, k: int) -> RequestOptions:
+    method = "off" if mode.mode == "ar" else (mode.drafter or "")
+    return RequestOptions(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                          method=method, k=None if mode.mode == "ar" else k, timeout_s=args.timeout)
+
+
+class Executor:
+    """Runs one scheduled (level, mode, block) against the mesh or a peer."""
+
+    def __init__(self, args, client: Client | None, peer, k: int, progress):
+        self.args, self.client, self.peer, self.k, self.progress = args, client, peer, k, progress
+
+    def _tick(self) -> None:
+        self.progress.update(1)
+
+    def run(self, level: Level, mode: Mode, block: list[tuple[int, Prompt]]) -> tuple[list[RequestRecord], float]:
+        self.progress.set_description(f"{mode.label} c={level.concurrency}"
+                                      + (f" rate={level.request_rate}" if level.request_rate else ""), refresh=False)
+        a = self.args
+        if mode.is_peer:
+            return self.peer.run(mode.mode, block, a.max_tokens, a.temperature, a.seed, self.k, self._tick)
+        opts = request_options(a, mode, self.k)
+        if level.request_rate is not None:
+            return self.client.run_open(block, level.request_rate, opts, a.seed, level.concurrency, self._tick)
+        return self.client.run_closed(block, level.concurrency, opts, self._tick)
+
+    def warmup(self, modes: list[Mode], prompt: Prompt) -> None:
+        """One unrecorded short request per mode (lazy initialisation, caches, first-call costs)."""
+        for mode in modes:
+            for _ in range(self.args.warmup):
+                if mode.is_peer:
+                    self.peer.run_one(mode.mode, prompt, 0, min(8, self.args.max_tokens), self.args.temperature,
+                                      self.args.seed, self.k)
+                else:
+                    opts = replace(request_options(self.args, mode, self.k), max_tokens=min(8, self.args.max_tokens))
+                    self.client.run_closed([(0, prompt)], 1, opts)
+
+
+def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt], cfg) -> dict:
+    """Runs the whole schedule; returns {(mode, level): Acc}."""
+    from tqdm import tqdm
+
+    from specmesh.bench.peers import HFPeer
+
+    k = args.k
+    steps = list(schedule(modes, levels, prompts))
+    peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads) if any(m.is_peer for m in modes) else None
+    drafters = sorted({m.drafter for m in modes if m.drafter})
+    results: dict = {}
+    with mesh_target(args, drafters) as target:
+        client = Client(target)
+        try:
+            with tqdm(total=sum(len(b) for _, _, b in steps), file=sys.stderr, unit="req",
+                      disable=args.no_progress, mininterval=1.0) as bar:
+                ex = Executor(args, client, peer, k, bar)
+                ex.warmup(modes, prompts[0])
+                for level, mode, block in steps:
+                    records, wall = ex.run(level, mode, block)
+                    acc = results.setdefault((mode, level), Acc())
+                    acc.records += records
+                    acc.wall_s += wall
+        finally:
+            client.close()
+    return results
+
+
+def request_row(rec: RequestRecord) -> dict:
+    first = rec.chunk_times[0] if rec.chunk_times else None
+    return {"prompt_id": rec.prompt_id, "category": rec.category, "output_tokens": rec.output_len,
+            "ttft_ms": None if first is None else first * 1e3,
+            "e2e_ms": None if rec.latency is None else rec.latency * 1e3,
+            "finish_reason": rec.finish_reason, "error": rec.error}
+
+
+def runs_from_results(results: dict) -> list[dict]:
+    runs = []
+    for (mode, level), acc in results.items():
+        run = {"mode": mode.mode, "drafter": mode.drafter, "concurrency": level.concurrency,
+               "request_rate": level.request_rate, "batch_1_only": mode.is_peer}
+        run.update(aggregate(acc.records, acc.wall_s))
+        run["errors_sample"] = [r.error for r in acc.records if r.error][:3]
+        run["requests"] = [request_row(r) for r in acc.records]
+        run["_records"] = acc.records
+        runs.append(run)
+    return runs
+
+
+def warn_underfilled(levels: list[Level], prompts: list[Prompt]) -> None:
+    block = (len(prompts) + 1) // 2
+    for lv in levels:
+        if lv.request_rate is None and lv.concurrency > block:
+            print(f"bench: warning: concurrency {lv.concurrency} > {block} prompts per ABBA block; "
+                  "the level never has all clients busy (raise --limit)", file=sys.stderr)
+
+
+def check_plan(modes: list[Mode], levels: list[Level]) -> str | None:
+    """A usage error, or None."""
+    from specmesh.config import DRAFTERS
+
+    unknown = [m.drafter for m in modes if m.drafter and m.drafter not in DRAFTERS]
+    if unknown:
+        return f"unknown drafter(s) {', '.join(unknown)} (known: {', '.join(DRAFTERS)})"
+    if not levels or any(lv.concurrency < 1 or (lv.request_rate is not None and lv.request_rate <= 0)
+                         for lv in levels):
+        return "--concurrency levels must be >= 1 and --request-rate values > 0"
+    if not modes:
+        return "nothing to run: give --drafters and/or --compare"
+    return None
+
+
+def main(args) -> int:
+    from specmesh.bench import report
+    from specmesh.bench.compare import summarize_runs
+    from specmesh.bench.datasets import load_dataset
+    from specmesh.config import load_config
+
+    cfg = load_config(args.config)
+    if args.k is None:
+        args.k = cfg.speculative.num_speculative_tokens
+    if not args.threads:
+        args.threads = cfg.runtime.torch_threads
+    try:
+        modes, levels = plan(args)
+    except ValueError as exc:
+        print(f"specmesh bench: bad --concurrency / --request-rate: {exc}", file=sys.stderr)
+        return 2
+    problem = check_plan(modes, levels)
+    if problem:
+        print(f"specmesh bench: {problem}", file=sys.stderr)
+        return 2
+    prompts = load_dataset(args.dataset, args.dataset_cache, args.limit, args.seed)
+    if not prompts:
+        print("specmesh bench: the dataset has no prompts", file=sys.stderr)
+        return 2
+    warn_underfilled(levels, prompts)
+    try:
+        runs = runs_from_results(execute(args, modes, levels, prompts, cfg))
+    except RuntimeError as exc:  # the local stack did not start
+        print(f"specmesh bench: {exc}", file=sys.stderr)
+        return 1
+    result = summarize_runs(runs, args, len(prompts))
+    report.write_all(result, args.out, plots=not args.no_plots)
+    print(report.to_markdown(result))
+    return 0

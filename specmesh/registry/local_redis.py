@@ -1,0 +1,66 @@
+"""A throw-away redis-server on a free loopback port (tests, `specmesh up --redis local`).
+
+Nothing is persisted (no RDB, no AOF). Needs the `redis-server` binary (Debian: redis-server).
+"""
+
+from __future__ import annotations
+
+import shutil
+import socket
+import subprocess
+import time
+
+import redis
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+class LocalRedis:
+    def __init__(self, port: int | None = None, host: str = "127.0.0.1"):
+        self.binary = shutil.which("redis-server")
+        if self.binary is None:
+            raise RuntimeError("redis-server not found on PATH (apt-get install redis-server)")
+        self.host, self.port = host, port or free_port(host)
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://{self.host}:{self.port}/0"
+
+    def start(self, timeout_s: float = 20.0) -> "LocalRedis":
+        self.proc = subprocess.Popen(
+            [self.binary, "--port", str(self.port), "--bind", self.host, "--save", "", "--appendonly", "no",
+             "--protected-mode", "no", "--loglevel", "warning"],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, start_new_session=True)
+        client = redis.Redis(host=self.host, port=self.port, socket_connect_timeout=0.5)
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited: {self.proc.stderr.read().decode(errors='replace')}")
+            try:
+                if client.ping():
+                    client.close()
+                    return self
+            except redis.RedisError:
+                time.sleep(0.05)
+        self.stop()
+        raise RuntimeError(f"redis-server did not answer on {self.host}:{self.port}")
+
+    def stop(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+    def __enter__(self) -> "LocalRedis":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()

@@ -1,0 +1,1 @@
+"""Observability: request context, OpenTelemetry tracing, Prometheus metrics, gRPC interceptors."""

@@ -1,0 +1,92 @@
+"""Prometheus metrics of every service (names documented in README, "Metrics").
+
+All families live in the default registry of the process; `service` labels tell the tiers
+apart when several run in one process (tests). serve() starts /metrics on a port.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import REGISTRY, Counter, Gauge, Histogram, start_http_server
+
+log = logging.getLogger(__name__)
+
+_LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
+_ACCEPT = tuple(float(i) for i in range(1, 18))
+
+# ---- every service (the server interceptor)
+RPC_REQUESTS = Counter("specmesh_rpc_requests", "RPCs handled, by final status code",
+                       ["service", "method", "code"])
+RPC_DURATION = Histogram("specmesh_rpc_duration_seconds", "RPC handling time", ["service", "method"],
+                         buckets=_LATENCY)
+INFLIGHT = Gauge("specmesh_inflight_requests", "requests being handled now", ["service"])
+QUEUE_LENGTH = Gauge("specmesh_queue_length", "requests waiting for an admission slot", ["service"])
+OVERLOAD_REJECTIONS = Counter("specmesh_overload_rejections", "requests refused by backpressure (UNAVAILABLE)",
+                              ["service"])
+BATCH_QUEUE = Gauge("specmesh_batch_queue_length", "jobs queued for the model thread", ["service"])
+
+# ---- gateway
+AUTH_FAILURES = Counter("specmesh_auth_failures", "requests refused UNAUTHENTICATED / PERMISSION_DENIED",
+                        ["reason"])
+RATELIMIT_REJECTIONS = Counter("specmesh_ratelimit_rejections", "requests refused RESOURCE_EXHAUSTED",
+                               ["limit"])
+RATELIMIT_BACKEND_ERRORS = Counter("specmesh_ratelimit_backend_errors",
+                                   "Redis unreachable during auth / rate limiting", ["mode"])
+HEALTH_PROBE_OK = Gauge("specmesh_health_probe_ok", "1 while the gateway's one-token probe succeeds")
+
+# ---- coordinator (speculation)
+DRAFTED = Counter("specmesh_drafted_tokens", "tokens proposed by the draft tier", ["method"])
+ACCEPTED = Counter("specmesh_accepted_tokens", "drafted tokens the target accepted", ["method"])
+DRAFTED_AT = Counter("specmesh_drafted_per_position", "rounds that drafted position i", ["method", "position"])
+ACCEPTED_AT = Counter("specmesh_accepted_per_position", "rounds that accepted the draft at position i",
+                      ["method", "position"])
+ACCEPTANCE_LENGTH = Histogram("specmesh_acceptance_length", "tokens emitted per target verify round",
+                              ["method"], buckets=_ACCEPT)
+DRAFT_FAILURES = Counter("specmesh_draft_failures", "rounds run with the target alone because drafting failed")
+DRAFT_LATENCY = Histogram("specmesh_draft_latency_seconds", "one Propose call, as the coordinator sees it",
+                          ["method"], buckets=_LATENCY)
+VERIFY_LATENCY = Histogram("specmesh_verify_latency_seconds", "one Verify call, as the coordinator sees it",
+                           buckets=_LATENCY)
+TTFT = Histogram("specmesh_ttft_seconds", "time to first token", buckets=_LATENCY)
+TPOT = Histogram("specmesh_tpot_seconds", "time per output token after the first", buckets=_LATENCY)
+PROMPT_TOKENS = Counter("specmesh_prompt_tokens", "prompt tokens of finished requests")
+COMPLETION_TOKENS = Counter("specmesh_completion_tokens", "tokens generated")
+SPEC_ENABLED = Gauge("specmesh_speculation_enabled", "1 while speculation is on (admin hot switch)")
+SPEC_K = Gauge("specmesh_speculation_num_speculative_tokens", "k override (-1: the request's own)")
+SPEC_METHOD = Gauge("specmesh_speculation_method", "1 for the drafter override in force ('' = the request's)",
+                    ["method"])
+SPEC_SWITCHES = Counter("specmesh_speculation_switches", "admin changes of the speculation settings")
+
+# ---- target worker
+LIVE_SEQUENCES = Gauge("specmesh_live_sequences", "sequences holding a KV cache")
+KV_BYTES = Gauge("specmesh_kv_cache_bytes", "bytes held by all KV caches")
+KV_TOKENS = Gauge("specmesh_kv_cache_tokens", "tokens held by all KV caches")
+KV_USAGE = Gauge("specmesh_kv_cache_usage_ratio", "KV cache tokens held / target_worker.cache.max_tokens")
+
+
+def serve(host: str, port: int, service: str) -> int | None:
+    """Start /metrics: port 0 = off (None), -1 = any free port. Returns the port, or None if off or
+    the port cannot be bound (logged: metrics are never worth refusing to serve)."""
+    if port == 0:
+        return None
+    try:
+        httpd, _ = start_http_server(max(port, 0), addr=host, registry=REGISTRY)
+    except OSError as exc:
+        log.error("%s: cannot serve metrics on %s:%s: %s", service, host, port, exc)
+        return None
+    bound = httpd.server_address[1]
+    log.info("%s: metrics on http://%s:%d/metrics", service, host, bound)
+    return bound
+
+
+def observe_round(method: str, drafted: int, accepted: int, emitted: int, verify_s: float) -> None:
+    ACCEPTANCE_LENGTH.labels(method).observe(emitted)
+    VERIFY_LATENCY.observe(verify_s)
+    if drafted:
+        DRAFTED.labels(method).inc(drafted)
+        ACCEPTED.labels(method).inc(accepted)
+        for i in range(drafted):
+            DRAFTED_AT.labels(method, str(i)).inc()
+        for i in range(accepted):
+            ACCEPTED_AT.labels(method, str(i)).inc()

@@ -1,0 +1,390 @@
+"""Shared fixtures for every test tier.
+
+- model_dir / target_model / target_tokenizer: the default model, fetched and loaded once per
+  session (marked tests only; unit tests never touch them).
+- free_port(): a free TCP port on 127.0.0.1.
+- services: a factory that starts REAL in-process gRPC servers (target worker, draft worker,
+  coordinator, gateway) on free ports with the real servicers, and stops them at teardown.
+- hf_reference: Hugging Face `generate` (greedy) on the same model and chat template, with the
+  LM head in float32 like our engine — the ground truth for token-identity tests.
+
+Torch threads: on a small shared box, torch's default (one OpenMP thread per core) spins
+against other processes and one forward of the 135M model goes from ~0.1 s to ~1.7 s. The
+suite therefore runs torch with $SPECMESH_TEST_TORCH_THREADS threads (default 1; 0 keeps
+torch's default). Servers run in-process, so their batcher threads use the same setting.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import socket
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+import torch
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    threads = int(os.environ.get("SPECMESH_TEST_TORCH_THREADS", "1"))
+    if threads > 0:
+        torch.set_num_threads(threads)
+
+
+# ---------------------------------------------------------------------------- model fixtures
+
+@pytest.fixture(scope="session")
+def model_dir() -> Path:
+    """The default model's verified cache dir (downloads and converts it on first use)."""
+    from specmesh.engine.fetch import fetch_model
+
+    return fetch_model(progress=False)
+
+
+@pytest.fixture(scope="session")
+def target_model(model_dir: Path):
+    """The default model (bf16, eval, no grad), loaded once per session and shared by every
+    test and every in-process server. Never mutate it (wrap or copy instead)."""
+    from specmesh.engine.loader import load_model
+
+    return load_model(model_dir)
+
+
+@pytest.fixture(scope="session")
+def target_tokenizer(model_dir: Path):
+    from specmesh.engine.loader import load_tokenizer
+
+    return load_tokenizer(model_dir)
+
+
+@pytest.fixture(scope="session")
+def prompt_encoder(model_dir: Path):
+    """specmesh's PromptEncoder for the default model (chat template, eos ids, context window)."""
+    from specmesh.tokenization import PromptEncoder
+
+    return PromptEncoder.from_model_dir(model_dir)
+
+
+@pytest.fixture(scope="session")
+def eos_token_id(model_dir: Path) -> int:
+    """The model's generation_config eos (2 for SmolLM2)."""
+    from transformers import GenerationConfig
+
+    eos = GenerationConfig.from_pretrained(model_dir).eos_token_id
+    return eos[0] if isinstance(eos, (list, tuple)) else int(eos)
+
+
+# ---------------------------------------------------------------------------- ports
+
+def free_ports(n: int) -> list[int]:
+    """n distinct TCP ports free on 127.0.0.1 a moment ago (held open together, so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def free_port() -> int:
+    """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""
+    return free_ports(1)[0]
+
+
+@pytest.fixture(name="free_port")
+def free_port_fixture():
+    """The free_port() helper, for tests that prefer a fixture to an import."""
+    return free_port
+
+
+# ---------------------------------------------------------------------------- in-process mesh
+
+def _merge(base: dict, over: dict) -> dict:
+    out = dict(base)
+    for k, v in over.items():
+        out[k] = _merge(out[k], v) if isinstance(v, dict) and isinstance(out.get(k), dict) else v
+    return out
+
+
+@dataclass
+class ServiceStack:
+    """Real gRPC servers started in this process. Attributes are None for parts not started.
+
+    cfg: the MeshConfig (load_config with the free-port addresses and the caller's overrides).
+    engine: the TargetEngine; drafters: {method: drafter} served by the draft worker.
+    *_stub: stubs over TCP on 127.0.0.1 (the same channels a client would use)."""
+
+    cfg: object
+    engine: object = None
+    drafters: dict = field(default_factory=dict)
+    servers: dict = field(default_factory=dict)  # name -> specmesh.rpc.server.Service
+    channels: list = field(default_factory=list)
+    target_stub: object = None
+    draft_stub: object = None
+    coordinator_stub: object = None
+    gateway_stub: object = None
+
+    def address(self, name: str) -> str:
+        return self.servers[name].listen
+
+    def request(self, prompt: str | None = None, *, messages=None, raw: bool = False, max_tokens: int = 32,
+                method: str | None = None, k: int | None = None, temperature: float | None = None,
+                top_p: float | None = None, top_k: int | None = None, seed: int | None = None,
+                stop=(), request_id: str = ""):
+        """A public GenerateRequest. messages: [(role, content), ...]."""
+        from specmesh.v1 import specmesh_pb2 as pb
+
+        req = pb.GenerateRequest(max_tokens=max_tokens, raw=raw, stop=list(stop), request_id=request_id)
+        if messages is not None:
+            req.messages.CopyFrom(pb.MessageList(messages=[pb.ChatMessage(role=r, content=c) for r, c in messages]))
+        else:
+            req.prompt = prompt
+        for name, value in (("temperature", temperature), ("top_p", top_p), ("top_k", top_k), ("seed", seed)):
+            if value is not None:
+                setattr(req.sampling, name, value)
+        if method is not None:
+            req.speculation.method = method
+        if k is not None:
+            req.speculation.num_speculative_tokens = k
+        return req
+
+    def generate(self, prompt: str | None = None, *, timeout: float = 300.0, **kwargs):
+        """Gateway.Generate over TCP; kwargs as request()."""
+        return self.gateway_stub.Generate(self.request(prompt, **kwargs), timeout=timeout)
+
+    def stop(self) -> None:
+        for name in ("gateway", "coordinator", "draft_worker", "target_worker"):
+            server = self.servers.get(name)
+            if server is not None:
+                server.stop(grace_s=1.0)
+        for ch in self.channels:
+            ch.close()
+        for drafter in self.drafters.values():
+            drafter.close()
+        if self.engine is not None:
+            self.engine.close()
+
+
+ALL_SERVICES = ("target_worker", "draft_worker", "coordinator", "gateway")
+
+
+def start_services(target_model, prompt_encoder, overrides: dict | None = None,
+                   components: tuple[str, ...] = ALL_SERVICES, draft_model=None) -> ServiceStack:
+    """Start the requested services on free ports; see the `services` fixture."""
+    from coordinator.clients import GrpcDraftPool, TargetPool
+    from coordinator.server import CoordinatorServicer
+    from draft_worker.drafters import ModelDrafter, NgramDrafter
+    from draft_worker.server import DraftWorkerServicer
+    from gateway.server import GatewayServicer
+    from specmesh.config import load_config
+    from specmesh.engine.loader import load_configured_model
+    from specmesh.rpc.server import Service, make_channel
+    from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+    from target_worker.engine import TargetEngine
+    from target_worker.server import TargetWorkerServicer
+
+    addr = {name: f"127.0.0.1:{port}" for name, port in zip(ALL_SERVICES, free_ports(len(ALL_SERVICES)))}
+    base = {
+        "runtime": {"log_level": "WARNING"},
+        "gateway": {"listen": addr["gateway"], "coordinator": addr["coordinator"], "max_workers": 16},
+        "coordinator": {"listen": addr["coordinator"], "draft_workers": [addr["draft_worker"]],
+                        "target_workers": [addr["target_worker"]], "max_workers": 16},
+        "draft_worker": {"listen": addr["draft_worker"], "max_workers": 16},
+        "target_worker": {"listen": addr["target_worker"], "max_workers": 16},
+    }
+    # environ={}: hermetic, the developer's SPECMESH_* variables do not leak into tests
+    cfg = load_config(environ={}, overrides=_merge(base, overrides or {}))
+    stack = ServiceStack(cfg)
+    try:
+        if "target_worker" in components:
+            w = cfg.target_worker
+            stack.engine = TargetEngine(target_model, w.max_batch_size, w.cache.max_sequences, w.cache.max_tokens,
+                                        w.cache.idle_timeout_s)
+            servicer = TargetWorkerServicer(stack.engine, "test-target")
+            stack.servers["target_worker"] = Service(
+                "specmesh.v1.TargetWorker", w.listen,
+                lambda s: pb_grpc.add_TargetWorkerServicer_to_server(servicer, s), w.max_workers).start()
+        if "draft_worker" in components:
+            w = cfg.draft_worker
+            if "ngram" in w.methods:
+                stack.drafters["ngram"] = NgramDrafter(w.ngram.min_n, w.ngram.max_n)
+            if "draft_model" in w.methods:
+                dm = w.draft_model
+                if draft_model is None and (dm.name or dm.path):  # as build_drafters does
+                    _, draft_model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest)
+                stack.drafters["draft_model"] = ModelDrafter(draft_model if draft_model is not None else target_model,
+                                                             w.max_batch_size, w.cache_max_sequences)
+            dservicer = DraftWorkerServicer(stack.drafters, cfg.speculative.max_speculative_tokens)
+            stack.servers["draft_worker"] = Service(
+                "specmesh.v1.DraftWorker", w.listen,
+                lambda s: pb_grpc.add_DraftWorkerServicer_to_server(dservicer, s), w.max_workers).start()
+        if "coordinator" in components:
+            c = cfg.coordinator
+            cservicer = CoordinatorServicer(cfg, prompt_encoder, TargetPool(c.target_workers),
+                                            GrpcDraftPool(c.draft_workers, c.draft_retry_after_s))
+            stack.servers["coordinator"] = Service(
+                "specmesh.v1.Coordinator", c.listen,
+                lambda s: pb_grpc.add_CoordinatorServicer_to_server(cservicer, s), c.max_workers).start()
+        if "gateway" in components:
+            gservicer = GatewayServicer(cfg, prompt_encoder)
+            stack.servers["gateway"] = Service(
+                "specmesh.v1.Gateway", cfg.gateway.listen,
+                lambda s: pb_grpc.add_GatewayServicer_to_server(gservicer, s), cfg.gateway.max_workers).start()
+        for name, stub_attr, stub_cls in (("target_worker", "target_stub", pb_grpc.TargetWorkerStub),
+                                          ("draft_worker", "draft_stub", pb_grpc.DraftWorkerStub),
+                                          ("coordinator", "coordinator_stub", pb_grpc.CoordinatorStub),
+                                          ("gateway", "gateway_stub", pb_grpc.GatewayStub)):
+            if name in stack.servers:
+                channel = make_channel(stack.servers[name].listen)
+                stack.channels.append(channel)
+                setattr(stack, stub_attr, stub_cls(channel))
+    except BaseException:
+        stack.stop()
+        raise
+    return stack
+
+
+@pytest.fixture
+def services(target_model, prompt_encoder):
+    """Factory: services(overrides=None, components=ALL_SERVICES, draft_model=None) -> ServiceStack.
+
+    Starts REAL gRPC servers in this process on free 127.0.0.1 ports, with the real servicers:
+    TargetWorkerServicer + TargetEngine, DraftWorkerServicer (NgramDrafter, ModelDrafter),
+    CoordinatorServicer, GatewayServicer. The config comes from specmesh.config.load_config with
+    the free-port addresses merged under `overrides` (a nested dict shaped like the YAML, e.g.
+    {"target_worker": {"cache": {"max_sequences": 1}}}). The target engine and, unless the config
+    names a draft model (draft_worker.draft_model.name/path, loaded as the draft worker would,
+    honouring model.require_manifest) or `draft_model` passes a loaded one, the draft_model
+    drafter share the session's one loaded target model. Everything started is stopped at
+    teardown, in reverse dependency order.
+    """
+    stacks: list[ServiceStack] = []
+
+    def start(overrides: dict | None = None, components: tuple[str, ...] = ALL_SERVICES, draft_model=None):
+        stack = start_services(target_model, prompt_encoder, overrides, components, draft_model)
+        stacks.append(stack)
+        return stack
+
+    yield start
+    for stack in reversed(stacks):
+        stack.stop()
+
+
+# ---------------------------------------------------------------------------- HF reference
+
+@dataclass(frozen=True)
+class Reference:
+    """One greedy reference run. logits[i]: float32 [V] raw logits that chose token_ids[i]."""
+
+    prompt_ids: list[int]
+    token_ids: list[int]
+    logits: list  # list of torch.Tensor [V]
+
+    def gap(self, position: int, token_a: int, token_b: int) -> float | None:
+        """Reference logit(token_a) - logit(token_b) at an output position (None past the end)."""
+        if position >= len(self.logits):
+            return None
+        row = self.logits[position]
+        return float(row[token_a] - row[token_b])
+
+    def explain_mismatch(self, got: list[int], tokenizer=None, label: str = "") -> str:
+        """'' if got == token_ids, else where they first differ, both tokens, and the gap."""
+        want = self.token_ids
+        if got == want:
+            return ""
+        pos = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+        g = got[pos] if pos < len(got) else None
+        w = want[pos] if pos < len(want) else None
+
+        def show(t):
+            if t is None:
+                return "<end>"
+            return f"{t} {tokenizer.decode([t])!r}" if tokenizer is not None else str(t)
+
+        msg = (f"{label}: token mismatch at output position {pos} (len got {len(got)}, want {len(want)}): "
+               f"mesh={show(g)} reference={show(w)}")
+        if g is not None and w is not None:
+            row = self.logits[pos]
+            top2 = row.topk(2)
+            msg += (f"; reference fp32 logit gap (ref - mesh) = {self.gap(pos, w, g):.6g}"
+                    f" [ref logit {float(row[w]):.6g}, mesh-token logit {float(row[g]):.6g},"
+                    f" top-2 gap {float(top2.values[0] - top2.values[1]):.6g}]")
+        if tokenizer is not None:
+            msg += f"\n  mesh: {tokenizer.decode(got)!r}\n  ref:  {tokenizer.decode(want)!r}"
+        return msg
+
+
+class Fp32Head(torch.nn.Module):
+    """LM head computing logits = h.float() @ W.float().T, the same matmul as specmesh.engine.kv."""
+
+    def __init__(self, weight: torch.Tensor):
+        super().__init__()
+        self.register_buffer("weight32", weight.detach().float().contiguous(), persistent=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        flat = hidden.reshape(-1, hidden.shape[-1]).float()  # [N, H] fp32
+        return (flat @ self.weight32.T).reshape(*hidden.shape[:-1], -1)
+
+
+@pytest.fixture(scope="session")
+def hf_reference(target_model, target_tokenizer, eos_token_id):
+    """hf_reference(prompt=None, *, messages=None, raw=False, prompt_ids=None, max_tokens) -> Reference.
+
+    Hugging Face transformers greedy `generate` on the SAME loaded model (its weights are
+    shared, nothing is mutated), the prompt encoded with the tokenizer's own chat template
+    (`apply_chat_template(..., add_generation_prompt=True)`; raw=True: plain tokenization with
+    special tokens; or explicit prompt_ids), eos = generation_config eos (id 2), stopping after
+    max_tokens new tokens or after EOS (which is included).
+
+    The LM head is replaced by a float32 one (hidden states cast to fp32, multiplied by the
+    fp32 weight), because specmesh computes the LM head in fp32 (engine/kv.py). With the bf16
+    head, logits are bf16: at |logit| ~ 20 their ulp is 0.125, so the top two logits TIE often,
+    and plain bf16 HF generate then picks the lower token index — a different token from the
+    fp32 argmax for reasons that have nothing to do with the engine. The model is shallow-copied
+    with its own module dict so the shared session model keeps its original head.
+
+    Runs are memoised per (prompt ids, max_tokens); Reference.logits holds the fp32 logits of
+    every step so a failing identity test can report the reference gap between the two tokens.
+    """
+    ref_model = copy.copy(target_model)
+    ref_model._modules = OrderedDict(target_model._modules)  # own module dict: shared children
+    ref_model.lm_head = Fp32Head(target_model.get_output_embeddings().weight)
+    cache: dict = {}
+    lock = threading.Lock()
+
+    def encode(prompt, messages, raw):
+        if messages is not None:
+            msgs = [{"role": r, "content": c} for r, c in messages]
+        elif raw:
+            return list(target_tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        else:
+            msgs = [{"role": "user", "content": prompt}]
+        out = target_tokenizer.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)
+        return list(out["input_ids"])
+
+    def run(prompt: str | None = None, *, messages=None, raw: bool = False, prompt_ids=None,
+            max_tokens: int) -> Reference:
+        ids = list(prompt_ids) if prompt_ids is not None else encode(prompt, messages, raw)
+        key = (tuple(ids), max_tokens)
+        with lock:
+            if key not in cache:
+                inp = torch.tensor([ids], dtype=torch.long)
+                with torch.inference_mode():
+                    out = ref_model.generate(
+                        inp, attention_mask=torch.ones_like(inp), max_new_tokens=max_tokens, do_sample=False,
+                        temperature=None, top_p=None, top_k=None, eos_token_id=eos_token_id,
+                        pad_token_id=eos_token_id, output_logits=True, return_dict_in_generate=True)
+                tokens = out.sequences[0, len(ids):].tolist()
+                logits = [row[0].float().clone() for row in out.logits]
+                assert len(logits) == len(tokens)
+                cache[key] = Reference(ids, tokens, logits)
+            return cache[key]
+
+    return run

@@ -1,0 +1,227 @@
+"""specmesh.engine.batcher.Batcher: grouping, kinds, errors, back-pressure, result order."""
+
+from __future__ import annotations
+
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from specmesh.engine.batcher import Batcher
+from specmesh.errors import Unavailable
+
+WAIT = 10.0  # generous: the machine is shared and slow
+
+
+class Recorder:
+    """run_batch that records (kind, payloads) and can be held closed by a gate."""
+
+    def __init__(self, fn=None, gate: threading.Event | None = None):
+        self.batches: list[tuple[str, list]] = []
+        self.fn = fn or (lambda kind, x: (kind, x))
+        self.gate = gate
+        self.started = threading.Event()
+        self.lock = threading.Lock()
+
+    def __call__(self, kind, payloads):
+        with self.lock:
+            self.batches.append((kind, list(payloads)))
+        self.started.set()
+        if self.gate is not None:
+            assert self.gate.wait(WAIT), "test gate never opened"
+        return [self.fn(kind, p) for p in payloads]
+
+
+@pytest.fixture
+def make_batcher():
+    made = []
+
+    def make(run_batch, **kw):
+        b = Batcher(run_batch, **kw)
+        made.append(b)
+        return b
+
+    yield make
+    for b in made:
+        b.close()
+
+
+def hold_first_batch(make_batcher, max_batch=8, max_queue=1024, fn=None):
+    """A batcher whose model thread is stuck in its first batch (kind 'block') until gate is set."""
+    gate = threading.Event()
+    rec = Recorder(fn=fn, gate=gate)
+    b = make_batcher(rec, max_batch=max_batch, max_queue=max_queue)
+    first = b.submit("block", "first")
+    assert rec.started.wait(WAIT)
+    return b, rec, gate, first
+
+
+def test_single_job_result(make_batcher):
+    b = make_batcher(Recorder(fn=lambda k, x: x * 2), max_batch=4)
+    assert b.submit("k", 21).result(WAIT) == 42
+
+
+def test_concurrent_jobs_are_grouped_into_one_batch(make_batcher):
+    b, rec, gate, first = hold_first_batch(make_batcher, max_batch=8, fn=lambda k, x: x)
+    futures = [b.submit("verify", i) for i in range(5)]  # queue up while the model thread is busy
+    gate.set()
+    assert [f.result(WAIT) for f in futures] == list(range(5))
+    assert first.result(WAIT) == "first"
+    assert [len(p) for _, p in rec.batches] == [1, 5]
+    assert rec.batches[1] == ("verify", [0, 1, 2, 3, 4])
+    assert b.batches_run == 2 and b.jobs_run == 6
+
+
+def test_concurrent_threads_get_batched(make_batcher):
+    # real RPC-like load: many threads submit and block; some batch must hold more than one job
+    def slow(kind, payloads):
+        time.sleep(0.05)
+        return [p + 1 for p in payloads]
+
+    seen = []
+    b = make_batcher(lambda k, ps: (seen.append(len(ps)), slow(k, ps))[1], max_batch=16)
+    with ThreadPoolExecutor(16) as pool:
+        results = list(pool.map(lambda i: b.submit("prefill", i).result(WAIT), range(48)))
+    assert results == [i + 1 for i in range(48)]
+    assert max(seen) > 1
+    assert sum(seen) == 48
+
+
+def test_max_batch_is_respected(make_batcher):
+    b, rec, gate, _ = hold_first_batch(make_batcher, max_batch=3, fn=lambda k, x: x)
+    futures = [b.submit("v", i) for i in range(7)]
+    gate.set()
+    assert [f.result(WAIT) for f in futures] == list(range(7))
+    sizes = [len(p) for _, p in rec.batches[1:]]
+    assert sizes == [3, 3, 1]
+    assert [p for _, p in rec.batches[1:]] == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_kinds_never_mix_in_a_batch(make_batcher):
+    b, rec, gate, _ = hold_first_batch(make_batcher, max_batch=8, fn=lambda k, x: (k, x))
+    jobs = [("prefill" if i % 3 == 0 else "verify", i) for i in range(12)]
+    futures = [(k, i, b.submit(k, i)) for k, i in jobs]
+    gate.set()
+    for k, i, f in futures:
+        assert f.result(WAIT) == (k, i)  # each job answered by a batch of its own kind
+    for kind, payloads in rec.batches[1:]:
+        assert all(kind == ("prefill" if i % 3 == 0 else "verify") for i in payloads), (kind, payloads)
+    # every job ran exactly once
+    ran = sorted(i for _, ps in rec.batches[1:] for i in ps)
+    assert ran == list(range(12))
+    # the held-back kind is batched together too, not one by one
+    assert len(rec.batches) - 1 == 2
+
+
+def test_jobs_of_other_kind_keep_their_order(make_batcher):
+    b, rec, gate, _ = hold_first_batch(make_batcher, max_batch=2, fn=lambda k, x: x)
+    order = ["a", "b", "a", "b", "a", "b", "b"]
+    futures = [b.submit(k, (k, i)) for i, k in enumerate(order)]
+    gate.set()
+    for f in futures:
+        f.result(WAIT)
+    for kind in "ab":
+        ran = [p for k, ps in rec.batches[1:] if k == kind for p in ps]
+        assert ran == [(k, i) for i, k in enumerate(order) if k == kind]
+
+
+def test_exception_goes_to_every_job_of_the_batch(make_batcher):
+    class Boom(RuntimeError):
+        pass
+
+    gate = threading.Event()
+    calls = []
+
+    def run(kind, payloads):
+        calls.append((kind, list(payloads)))
+        if kind == "block":
+            gate.wait(WAIT)
+            return payloads
+        if kind == "bad":
+            raise Boom("model exploded")
+        return [p * 10 for p in payloads]
+
+    b = make_batcher(run, max_batch=8)
+    first = b.submit("block", 0)
+    while not calls:
+        time.sleep(0.01)
+    bad = [b.submit("bad", i) for i in range(4)]
+    good = [b.submit("good", i) for i in range(3)]
+    gate.set()
+    for f in bad:
+        with pytest.raises(Boom, match="model exploded"):
+            f.result(WAIT)
+    assert [f.result(WAIT) for f in good] == [0, 10, 20]  # the batcher survives a failed batch
+    assert first.result(WAIT) == 0
+    assert [len(p) for k, p in calls if k == "bad"] == [4]
+    assert b.submit("good", 5).result(WAIT) == 50
+
+
+def test_per_job_exception_in_results(make_batcher):
+    # run_batch may answer one job with an exception without failing its batch-mates
+    b, rec, gate, _ = hold_first_batch(make_batcher, max_batch=8,
+                                       fn=lambda k, p: ValueError(f"bad {p}") if p % 2 else p)
+    futures = [b.submit("v", i) for i in range(4)]
+    gate.set()
+    assert futures[0].result(WAIT) == 0
+    assert futures[2].result(WAIT) == 2
+    with pytest.raises(ValueError, match="bad 1"):
+        futures[1].result(WAIT)
+    with pytest.raises(ValueError, match="bad 3"):
+        futures[3].result(WAIT)
+    assert [len(p) for _, p in rec.batches[1:]] == [4]
+
+
+def test_queue_full_raises_unavailable(make_batcher):
+    b, rec, gate, first = hold_first_batch(make_batcher, max_batch=1, max_queue=3, fn=lambda k, x: x)
+    accepted = [b.submit("v", i) for i in range(3)]
+    with pytest.raises(Unavailable, match="queue is full"):
+        b.submit("v", 99)
+    assert b.qsize() == 3
+    gate.set()
+    assert [f.result(WAIT) for f in accepted] == [0, 1, 2]
+    assert b.submit("v", 4).result(WAIT) == 4  # space again once drained
+
+
+def test_unavailable_maps_to_grpc_unavailable():
+    from specmesh.rpc.errors import status_code
+    import grpc
+
+    assert status_code(Unavailable("x")) == grpc.StatusCode.UNAVAILABLE
+
+
+def test_results_in_submission_order(make_batcher):
+    b, rec, gate, _ = hold_first_batch(make_batcher, max_batch=16, fn=lambda k, x: f"r{x}")
+    futures = [b.submit("v", i) for i in range(10)]
+    gate.set()
+    assert [f.result(WAIT) for f in futures] == [f"r{i}" for i in range(10)]
+    assert rec.batches[1][1] == list(range(10))  # payloads handed over in submission order
+
+
+def test_results_matched_to_jobs_when_run_batch_reverses_work(make_batcher):
+    # run_batch must return results in payload order; each caller gets its own result
+    def run(kind, payloads):
+        out = {p: p ** 2 for p in reversed(payloads)}  # computed in another order
+        return [out[p] for p in payloads]
+
+    b = make_batcher(run, max_batch=8)
+    with ThreadPoolExecutor(8) as pool:
+        got = list(pool.map(lambda i: b.submit("v", i).result(WAIT), range(20)))
+    assert got == [i * i for i in range(20)]
+
+
+def test_cancelled_job_is_skipped(make_batcher):
+    b, rec, gate, _ = hold_first_batch(make_batcher, max_batch=8, fn=lambda k, x: x)
+    f1 = b.submit("v", 1)
+    f2 = b.submit("v", 2)
+    assert f1.cancel()
+    gate.set()
+    assert f2.result(WAIT) == 2
+    assert [p for _, p in rec.batches[1:]] == [[2]]
+
+
+def test_close_stops_the_thread(make_batcher):
+    b = make_batcher(Recorder(), max_batch=2)
+    b.close()
+    assert not b._thread.is_alive()
