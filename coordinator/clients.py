@@ -28,9 +28,10 @@ from typing import Any, Callable
 
 import grpc
 
-from specmesh.core.types import DraftProposal, SamplingParams, VerifyOutcome
+from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.errors import Unavailable
-from specmesh.rpc.convert import probs_to_bytes, proposal_from_pb, sampling_to_pb
+from specmesh.rpc.convert import (feature_request_to_pb, features_from_pb, features_to_pb, probs_to_bytes,
+                                  proposal_from_pb, sampling_to_pb)
 from specmesh.rpc.errors import raise_from_rpc
 from specmesh.rpc.server import make_channel
 from specmesh.v1 import specmesh_pb2 as pb
@@ -48,21 +49,33 @@ class GrpcTargetClient:
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
     def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float) -> int:
+        return self.prefill_outcome(seq_id, prompt, params, timeout).token
+
+    def prefill_outcome(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float,
+                        features: FeatureSpec | None = None) -> PrefillOutcome:
+        """Prefill; with `features`, also the prompt's block-drafter features."""
         req = pb.PrefillRequest(seq_id=seq_id, prompt=prompt, sampling=sampling_to_pb(params))
+        if features is not None:
+            req.return_features.CopyFrom(feature_request_to_pb(features))
         try:
-            return self.stub.Prefill(req, timeout=timeout).token_id
+            resp = self.stub.Prefill(req, timeout=timeout)
         except grpc.RpcError as err:
             raise_from_rpc(err, f"target worker {self.address}")
+        return PrefillOutcome(resp.token_id, features_from_pb(resp.features))
 
-    def verify(self, seq_id: str, draft: DraftProposal, timeout: float) -> VerifyOutcome:
+    def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
+               features: FeatureSpec | None = None) -> VerifyOutcome:
         vocab = 0 if draft.probs is None else int(draft.probs.shape[1])
         req = pb.VerifyRequest(seq_id=seq_id, draft_token_ids=draft.token_ids,
-                               draft_probs=probs_to_bytes(draft.probs), vocab_size=vocab)
+                               draft_probs=probs_to_bytes(draft.probs), vocab_size=vocab,
+                               draft_parents=draft.parents or [])
+        if features is not None:
+            req.return_features.CopyFrom(feature_request_to_pb(features))
         try:
             resp = self.stub.Verify(req, timeout=timeout)
         except grpc.RpcError as err:
             raise_from_rpc(err, f"target worker {self.address}")
-        return VerifyOutcome(resp.accepted, list(resp.token_ids), resp.bonus)
+        return VerifyOutcome(resp.accepted, list(resp.token_ids), resp.bonus, features_from_pb(resp.features))
 
     def release(self, seq_id: str) -> None:
         try:
@@ -183,8 +196,15 @@ class TargetLease:
     def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float) -> int:
         return self._call(self.client.prefill, seq_id, prompt, params, timeout)
 
-    def verify(self, seq_id: str, draft: DraftProposal, timeout: float) -> VerifyOutcome:
-        return self._call(self.client.verify, seq_id, draft, timeout)
+    def prefill_outcome(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float,
+                        features: FeatureSpec | None = None) -> PrefillOutcome:
+        return self._call(self.client.prefill_outcome, seq_id, prompt, params, timeout, features)
+
+    def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
+               features: FeatureSpec | None = None) -> VerifyOutcome:
+        if features is None:  # the plain call, as every TargetClient takes it
+            return self._call(self.client.verify, seq_id, draft, timeout)
+        return self._call(self.client.verify, seq_id, draft, timeout, features)
 
     def status(self, timeout: float = 5.0):
         return self.client.status(timeout)
@@ -260,10 +280,14 @@ class GrpcDraftPool:
         return best
 
     def propose(self, seq_id: str, context: list[int], k: int, method: str, params: SamplingParams,
-                round_: int, timeout: float) -> DraftProposal:
+                round_: int, timeout: float, features=None, tree_budget: int = 0) -> DraftProposal:
+        """features: (rows [r, F], complete) for the block drafter (ProposeRequest.features)."""
         member = self._pick(seq_id, method)
         req = pb.ProposeRequest(seq_id=seq_id, context=context, num_tokens=k, method=method,
-                                sampling=sampling_to_pb(params), round=round_)
+                                sampling=sampling_to_pb(params), round=round_, tree_budget=tree_budget)
+        if features is not None and features[0] is not None:
+            req.features.CopyFrom(features_to_pb(features[0]))
+            req.features_complete = features[1]
         try:
             resp = member.client.stub.Propose(req, timeout=timeout)
         except grpc.RpcError as err:
@@ -272,7 +296,7 @@ class GrpcDraftPool:
             raise_from_rpc(err, f"draft worker {member.address}")
         finally:
             self.members.done(member)
-        return proposal_from_pb(resp.token_ids, resp.probs, resp.vocab_size)
+        return proposal_from_pb(resp.token_ids, resp.probs, resp.vocab_size, resp.parents, resp.features_missing)
 
     def release(self, seq_id: str) -> None:
         # best effort and asynchronous: the draft cache is only an optimisation (LRU-bounded)

@@ -14,6 +14,12 @@ restarted and lost the cache; or one call outlives target_timeout_s), the sequen
 re-prefilled on another target with prompt + every token emitted so far, whose first token is
 the next output token, at most max_reroutes times; then the request fails UNAVAILABLE. At T=0
 the output is unchanged; at T>0 the sampling stream restarts (same distribution, other draws).
+
+Block drafter (method "block", given a feature_spec): prefill and every verify also return the
+target's features of the positions they commit; the loop keeps the newest window of them
+(FeatureFeed) and sends each round only the rows the draft tier has not seen, or the whole window
+when the draft worker reports a miss (one more Propose). With a tree budget the draft is a tree,
+verified by the target in one forward.
 """
 
 from __future__ import annotations
@@ -24,7 +30,11 @@ import uuid
 from dataclasses import dataclass
 from typing import Iterator, Protocol
 
-from specmesh.core.types import DraftProposal, GenerationRequest, SamplingParams, SpecStats, VerifyOutcome
+from specmesh.config import FEATURE_DRAFTERS
+from specmesh.core.features import FeatureFeed
+from specmesh.core.tree import DraftTree
+from specmesh.core.types import (DraftProposal, FeatureSpec, GenerationRequest, SamplingParams, SpecStats,
+                                 VerifyOutcome)
 from specmesh.errors import Cancelled, DeadlineExceeded, NotFound, SpecmeshError, Unavailable
 from specmesh.tokenization import OutputAssembler
 
@@ -56,8 +66,12 @@ class Generation:
     def __init__(self, req: GenerationRequest, target: TargetClient, drafts: DraftPool | None,
                  tokenizer, eos_token_ids: set[int], draft_timeout_s: float, is_active=lambda: True,
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
-                 control=None, observer=None):
+                 control=None, observer=None, feature_spec: FeatureSpec | None = None):
         self.req, self.target, self.drafts = req, target, drafts
+        # feature_spec: what to ask the target for when the drafter reads target features (block);
+        # None: such drafters get no features (they report misses and rounds run without drafts)
+        self.feature_spec = feature_spec
+        self.feed: FeatureFeed | None = None
         # control: a SpeculationControl (admin hot switch), read every round; observer(method, drafted,
         # accepted, emitted, draft_s, verify_s) is called after every verify round (metrics)
         self.control, self.observer = control, observer
@@ -112,19 +126,27 @@ class Generation:
         left = self.req.max_tokens - len(self.out.token_ids)
         return max(0, min(self.k, left - 1))
 
+    def _wants_features(self) -> bool:
+        return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
+
     def _round(self) -> list[int]:
         draft_s = self.stats.draft_time_s
         draft = self._draft(self._k_this_round())
         t0 = time.monotonic()
         try:
-            outcome = self.target.verify(self.seq_id, draft, self._call_timeout())
+            if self._wants_features():
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec)
+                self._take_features(outcome.features)
+            else:
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout())
         except (Unavailable, NotFound, DeadlineExceeded) as exc:
             if not self._may_reroute(exc):
                 raise
             return [self._failover(exc)]
         finally:
             self.stats.verify_time_s += time.monotonic() - t0
-        self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens))
+        depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
+        self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens), positions=depth)
         if self.observer is not None:
             self.observer(self.method, len(draft.token_ids), outcome.accepted, len(outcome.tokens),
                           self.stats.draft_time_s - draft_s, time.monotonic() - t0)
@@ -138,6 +160,8 @@ class Generation:
         self._drafted_any = True
         try:
             timeout = min(self.draft_timeout_s, self._remaining())
+            if self._wants_features():
+                return self._propose_with_features(context, k, timeout)
             draft = self.drafts.propose(self.seq_id, context, k, self.method, self.req.params,
                                         self.stats.rounds, timeout)
             return DraftProposal(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
@@ -149,6 +173,33 @@ class Generation:
             return self._draft_failed(str(exc))
         finally:
             self.stats.draft_time_s += time.monotonic() - t0
+
+    def _propose_with_features(self, context: list[int], k: int, timeout: float) -> DraftProposal:
+        """Propose with the rows the draft tier lacks; on a miss, once more with the whole window."""
+        if self.feed is None or len(self.feed.window) == 0:
+            return DraftProposal([], None)  # switched to the block drafter mid-request: features next round
+        for complete in (False, True):
+            rows, full = self.feed.outgoing(complete)
+            draft = self.drafts.propose(self.seq_id, context, k, self.method, self.req.params, self.stats.rounds,
+                                        timeout, features=(rows, full), tree_budget=self.req.tree_budget)
+            self.stats.draft_feature_bytes += _nbytes(rows)
+            if not draft.missing_features:
+                self.feed.sent()
+                if draft.parents is not None:  # a tree: depth <= k, drawn by the worker
+                    return DraftProposal(draft.token_ids, None, draft.parents)
+                return DraftProposal(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+            if full:
+                break
+        return self._draft_failed("the draft worker holds no target features for the sequence")
+
+    def _take_features(self, rows) -> None:
+        """rows: [n+1, F] features of the slots a verify round committed (before its tokens are emitted)."""
+        if rows is None:
+            return
+        self.feed = self.feed or FeatureFeed(self.feature_spec.max_rows or rows.shape[0])
+        committed = len(self.req.prompt_ids) + len(self.out.token_ids) - 1  # context minus the pending token
+        self.feed.extend(rows, committed + rows.shape[0])
+        self.stats.feature_bytes += _nbytes(rows)
 
     def _draft_failed(self, why: str) -> DraftProposal:
         # a draft failure never fails the request: this round runs with k = 0 (target alone)
@@ -170,9 +221,21 @@ class Generation:
             return self.req.deadline is None or time.monotonic() < self.req.deadline
         return True
 
+    def _prefill(self, context: list[int]) -> int:
+        """Prefill context on self.target; with the block drafter, keep the features it returns."""
+        if not self._wants_features():
+            return self.target.prefill(self.seq_id, context, self.req.params, self._call_timeout())
+        out = self.target.prefill_outcome(self.seq_id, context, self.req.params, self._call_timeout(),
+                                          self.feature_spec)
+        if out.features is not None:
+            self.feed = self.feed or FeatureFeed(self.feature_spec.max_rows or out.features.shape[0])
+            self.feed.reset(out.features, len(context))
+            self.stats.feature_bytes += _nbytes(out.features)
+        return out.token
+
     def _prefill_with_failover(self) -> int:
         try:
-            return self.target.prefill(self.seq_id, self.req.prompt_ids, self.req.params, self._call_timeout())
+            return self._prefill(self.req.prompt_ids)
         except (Unavailable, NotFound, DeadlineExceeded) as exc:
             if not self._may_reroute(exc):
                 raise
@@ -194,7 +257,7 @@ class Generation:
                 self.target = old  # nothing else to hold; _release() releases it again, harmlessly
                 raise Unavailable(f"target worker failed ({exc}); {none_left}") from exc
             try:
-                return self.target.prefill(self.seq_id, context, self.req.params, self._call_timeout())
+                return self._prefill(context)
             except (Unavailable, NotFound, DeadlineExceeded) as again:
                 if self.req.deadline is not None and time.monotonic() >= self.req.deadline:
                     raise
@@ -215,3 +278,8 @@ class Generation:
             log.warning("release of %s failed: %s (the worker reclaims it when idle)", self.seq_id, exc)
         if self.drafts is not None and (self.method != "off" or self._drafted_any):
             self.drafts.release(self.seq_id)
+
+
+def _nbytes(rows) -> int:
+    """Bytes of a feature tensor (what it costs on the wire: bf16 = 2 per value); 0 for None."""
+    return 0 if rows is None else rows.numel() * rows.element_size()

@@ -11,7 +11,7 @@ from coordinator.admin import CoordinatorAdminServicer
 from coordinator.clients import GrpcDraftPool, TargetPool, pools_from_config
 from coordinator.control import SpeculationControl
 from coordinator.loop import Generation
-from specmesh.core.types import GenerationRequest
+from specmesh.core.types import FeatureSpec, GenerationRequest
 from specmesh.config import ConfigError, MeshConfig
 from specmesh.errors import ModelIntegrityError
 from specmesh.registry.worker import WorkerLifecycle
@@ -39,6 +39,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                                                      on_change=observe.speculation_changed)
         self.admission = admission_limiter("coordinator", cfg.backpressure.coordinator)
         self.model = observe.model_name(cfg)
+        spec = cfg.speculative  # what the block drafter reads: asked of the target, sent on to the draft tier
+        self.feature_spec = FeatureSpec(tuple(spec.feature_layers), spec.feature_window)
 
     def _generation(self, request, context) -> Generation:
         left, limit = context.time_remaining(), self.cfg.gateway.max_deadline_s  # clamped here too
@@ -49,7 +51,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                           self.encoder.tokenizer, self.encoder.eos_token_ids, c.draft_timeout_s, context.is_active,
                           reroute=lambda tried: self.targets.pick(exclude=tried, prompt_tokens=len(req.prompt_ids)),
                           max_reroutes=c.max_target_failovers, target_timeout_s=c.target_call_timeout_s,
-                          control=self.control, observer=observe.on_round)
+                          control=self.control, observer=observe.on_round, feature_spec=self.feature_spec)
 
     def _final(self, gen: Generation, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))

@@ -6,6 +6,9 @@
   prefix it shares with the context it is sent, so it is stateless to the caller: any worker can
   serve any round, a miss just recomputes. Concurrent proposals are batched into one forward
   per drafting step.
+- BlockDrafter: the trained block drafter (specmesh.drafters.block), conditioned on the target's
+  features of the last context_window committed positions; one forward drafts up to
+  block_size - 1 tokens (a chain), or their per-position top-k grown into a draft tree.
 """
 
 from __future__ import annotations
@@ -17,11 +20,14 @@ from dataclasses import dataclass
 
 import torch
 
+from specmesh.core.features import FeatureWindow
 from specmesh.core.ngram import propose_ngram
 from specmesh.core.sampling import make_generator, sample, warp_logits
+from specmesh.core.tree import build_tree
 from specmesh.core.types import DraftProposal, SamplingParams
 from specmesh.engine.batcher import Batcher
 from specmesh.engine.kv import SequenceKV, batched_step, new_sequence_kv
+from specmesh.errors import InvalidArgument
 
 
 @dataclass(frozen=True)
@@ -31,6 +37,10 @@ class ProposeJob:
     k: int
     params: SamplingParams
     round: int
+    # block drafter: target features [r, F] of committed positions [len(context)-1-r, len(context)-1)
+    features: torch.Tensor | None = None
+    features_complete: bool = False  # the sender's whole window: replace, do not append
+    tree_budget: int = 0  # > 0: a draft tree of at most this many nodes (block drafter)
 
 
 class NgramDrafter:
@@ -55,8 +65,10 @@ class _Cached:
     tokens: list[int]  # the tokens whose KV the cache holds, in order
 
 
-def _draft_seed(seed: int, seq_id: str, round_: int) -> int:
-    digest = hashlib.sha256(f"{seed}:{seq_id}:{round_}".encode()).digest()
+def _draft_seed(seed: int, round_: int) -> int:
+    """The draft's sampling stream for one round: a function of the request's seed and the round
+    only (not the per-request sequence id), so a repeated seeded request drafts the same tokens."""
+    digest = hashlib.sha256(f"{seed}:{round_}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
 
 
@@ -110,7 +122,7 @@ class ModelDrafter:
 
     def _run_batch(self, kind: str, jobs: list[ProposeJob]) -> list[DraftProposal]:
         entries, pending = zip(*(self._take_cache(j) for j in jobs))
-        gens = [make_generator(_draft_seed(j.params.seed, j.seq_id, j.round)) if j.params.seed is not None
+        gens = [make_generator(_draft_seed(j.params.seed, j.round)) if j.params.seed is not None
                 else None for j in jobs]
         drafts: list[list[int]] = [[] for _ in jobs]
         probs: list[list[torch.Tensor]] = [[] for _ in jobs]
@@ -134,3 +146,99 @@ class ModelDrafter:
             p = None if job.params.greedy else torch.stack(probs[b])  # [k, V]
             results.append(DraftProposal(drafts[b], p))
         return results
+
+
+class BlockDrafter:
+    """Drafts with a block drafter model (specmesh.drafters.block.BlockDrafter) from target
+    features. Keeps each sequence's newest context_window feature rows keyed by seq_id (LRU):
+    each round brings only the rows committed since the last; rows that do not extend what is held
+    (worker restarted, evicted, or another worker served the last round) are a miss
+    (DraftProposal.missing_features) and the coordinator resends its whole window."""
+
+    name = "block"
+
+    def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024):
+        self.model = model  # a specmesh.drafters.block.BlockDrafter, eval
+        cfg = model.cfg
+        self.window, self.max_k, self.vocab_size = cfg.context_window, cfg.block_size - 1, cfg.vocab_size
+        self.feature_size = cfg.feature_size
+        self._cache: OrderedDict[str, FeatureWindow] = OrderedDict()
+        self._cache_max = cache_max_sequences
+        self._lock = threading.Lock()
+        self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="block-batcher")
+
+    def propose(self, job: ProposeJob, timeout: float | None = None) -> DraftProposal:
+        window = self._window(job)
+        if window is None:
+            return DraftProposal([], None, missing_features=True)
+        if job.k == 0:
+            return DraftProposal([], None)
+        return self.batcher.submit("propose", (job, window)).result(timeout)
+
+    def release(self, seq_id: str) -> None:
+        with self._lock:
+            self._cache.pop(seq_id, None)
+
+    def cached_sequences(self) -> int:
+        return len(self._cache)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+    def _window(self, job: ProposeJob) -> FeatureWindow | None:
+        """Merge the job's rows into the sequence's window; None = a miss. The rows end at the
+        last committed position: end = len(context) - 1."""
+        end, rows = len(job.context) - 1, job.features
+        if rows is not None and (rows.dim() != 2 or rows.shape[1] != self.feature_size or rows.shape[0] > end):
+            raise InvalidArgument("features", f"must be [rows <= {end}, {self.feature_size}], "
+                                              f"got {tuple(rows.shape)}")
+        with self._lock:
+            win = self._cache.pop(job.seq_id, None)
+        if rows is not None and (job.features_complete or win is None):
+            win = FeatureWindow(self.window, rows, end) if job.features_complete else None
+        elif rows is not None and not win.extend(rows, end):
+            win = None
+        if win is None or win.end != end or len(win) == 0:
+            return None
+        with self._lock:
+            self._cache[job.seq_id] = win
+            while len(self._cache) > self._cache_max:
+                self._cache.popitem(last=False)
+        return win
+
+    # ------------------------------------------------------------------ model thread
+    @torch.inference_mode()
+    def _run_batch(self, kind: str, items: list[tuple[ProposeJob, FeatureWindow]]) -> list[DraftProposal]:
+        feats, valid = zip(*(w.padded() for _, w in items))  # each [C, F] bf16, [C] bool
+        last = torch.tensor([job.context[-1] for job, _ in items])  # [N]: x_T, the last context token
+        # hidden: [N, B, H]; block position i >= 1 predicts x_{T+i}
+        hidden = self.model.hidden(self.model.block_ids(last), torch.stack(feats), torch.stack(valid))
+        head = self.model.lm_head
+        out = []
+        for b, (job, _) in enumerate(items):
+            depth = min(job.k, self.max_k)
+            logits = head(hidden[b, 1: 1 + depth].to(head.weight.dtype)).float()  # [depth, V]
+            out.append(self._tree(job, logits) if job.tree_budget > 0 else self._chain(job, logits))
+        return out
+
+    @staticmethod
+    def _chain(job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
+        """logits: [k, V]. Greedy: argmax per position (a point mass). T > 0: x_i ~ q_i, the warped
+        per-position distribution, returned so rejection sampling stays lossless (q_i does not
+        depend on the earlier drafts, which is allowed: q_i(. | x_<i) = q_i)."""
+        if job.params.greedy:
+            return DraftProposal(logits.argmax(dim=-1).tolist(), None)
+        q = warp_logits(logits, job.params)  # [k, V]
+        gen = make_generator(_draft_seed(job.params.seed, job.round)) \
+            if job.params.seed is not None else None
+        return DraftProposal(sample(q, gen).tolist(), q)
+
+    @staticmethod
+    def _tree(job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
+        """logits: [D, V] -> a best-first tree over the per-position top-k (specmesh.core.tree),
+        ranked by log q (warped at T > 0, so cut tokens are never drafted). The target walks it
+        without draft probabilities (lossless for any tree)."""
+        logq = torch.log_softmax(logits, dim=-1) if job.params.greedy else warp_logits(logits, job.params).log()
+        top_lp, top_tok = logq.topk(min(job.tree_budget, logq.shape[-1]), dim=-1)  # [D, K] each
+        tree = build_tree(top_lp, top_tok, job.tree_budget)
+        return DraftProposal(tree.tokens, None, tree.parents)

@@ -7,11 +7,13 @@ import logging
 import sys
 import threading
 
-from draft_worker.drafters import ModelDrafter, NgramDrafter, ProposeJob
+from draft_worker.block_loader import load_block_model
+from draft_worker.drafters import BlockDrafter, ModelDrafter, NgramDrafter, ProposeJob
 from specmesh.config import ConfigError, MeshConfig
 from specmesh.engine.loader import load_configured_model
 from specmesh.errors import InvalidArgument, ModelIntegrityError
-from specmesh.rpc.convert import probs_to_bytes, sampling_from_pb
+from specmesh.config import MAX_TREE_BUDGET
+from specmesh.rpc.convert import features_from_pb, probs_to_bytes, sampling_from_pb
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
@@ -54,14 +56,18 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
             raise InvalidArgument("num_tokens", f"must be in [0, {self.max_k}]")
         if not request.context:
             raise InvalidArgument("context", "must hold at least one token")
+        if not 0 <= request.tree_budget <= MAX_TREE_BUDGET:
+            raise InvalidArgument("tree_budget", f"must be in [0, {MAX_TREE_BUDGET}]")
         job = ProposeJob(request.seq_id, list(request.context), request.num_tokens,
-                         sampling_from_pb(request.sampling), request.round)
+                         sampling_from_pb(request.sampling), request.round,
+                         features_from_pb(request.features), request.features_complete, request.tree_budget)
         draft = drafter.propose(job, timeout=context.time_remaining())
         set_attributes({"specmesh.drafter": request.method, "specmesh.seq_id": request.seq_id,
                         "specmesh.num_speculative_tokens": request.num_tokens,
                         "specmesh.drafted_tokens": len(draft.token_ids)})
         vocab = getattr(drafter, "vocab_size", 0) if draft.probs is not None else 0
-        return pb.ProposeResponse(token_ids=draft.token_ids, probs=probs_to_bytes(draft.probs), vocab_size=vocab)
+        return pb.ProposeResponse(token_ids=draft.token_ids, probs=probs_to_bytes(draft.probs), vocab_size=vocab,
+                                  features_missing=draft.missing_features, parents=draft.parents or [])
 
     def Release(self, request, context):
         for drafter in self.drafters.values():
@@ -83,6 +89,12 @@ def build_drafters(cfg: MeshConfig) -> dict:
         bp = cfg.backpressure.draft_worker
         drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences,
                                                max_queue=bp.max_inflight + bp.max_queue)
+    if "block" in wcfg.methods:
+        block = load_block_model(cfg)  # None: the default artefact is absent (logged)
+        if block is not None:
+            bp = cfg.backpressure.draft_worker
+            drafters["block"] = BlockDrafter(block, wcfg.max_batch_size, wcfg.cache_max_sequences,
+                                             max_queue=bp.max_inflight + bp.max_queue)
     return drafters
 
 
@@ -109,6 +121,8 @@ def main(argv=None) -> int:
                                    admission_limiter("draft_worker", bp))
     if "draft_model" in drafters:
         watch_batcher("draft_worker", drafters["draft_model"].batcher)
+    if "block" in drafters and "draft_model" not in drafters:
+        watch_batcher("draft_worker", drafters["block"].batcher)
     service = DrainingService("specmesh.v1.DraftWorker", wcfg.listen,
                               lambda s: pb_grpc.add_DraftWorkerServicer_to_server(servicer, s), wcfg.max_workers,
                               **service_options(cfg, "draft_worker"))

@@ -36,8 +36,11 @@ from specmesh.config_ops import (  # noqa: E402  (sections of the production gat
 
 ENV_PREFIX = "SPECMESH_"
 DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
-DRAFTERS = ("ngram", "draft_model")
+DRAFTERS = ("ngram", "draft_model", "block")
 METHODS = ("off",) + DRAFTERS
+FEATURE_DRAFTERS = ("block",)  # drafters that read the target's hidden-state features
+VERIFY_MODES = ("chain", "tree")
+MAX_TREE_BUDGET = 64  # draft-tree nodes per round, at most
 
 
 class _Yaml12BoolLoader(yaml.SafeLoader):
@@ -88,14 +91,25 @@ class SpeculativeConfig:
     method: str = "ngram"  # default drafter for requests that do not choose: off | ngram | draft_model
     num_speculative_tokens: int = 4  # k drafted tokens per round
     max_speculative_tokens: int = 16  # upper bound a request may ask for
-    verify_mode: str = "chain"  # chain: one drafted sequence per round
+    verify_mode: str = "chain"  # chain: one drafted sequence per round | tree: a draft tree (block drafter)
+    tree_budget: int = 16  # draft-tree nodes per round with verify_mode tree
+    feature_layers: tuple[int, ...] = (1, 14, 27)  # block drafter: target decoder layers it reads
+    feature_window: int = 64  # block drafter: newest committed positions it reads
 
     def validate(self, key: str) -> None:
         _check(self.method in METHODS, f"{key}.method", f"one of {', '.join(METHODS)}")
         _check(0 <= self.num_speculative_tokens <= self.max_speculative_tokens,
                f"{key}.num_speculative_tokens", "must be in [0, max_speculative_tokens]")
         _check(1 <= self.max_speculative_tokens <= 64, f"{key}.max_speculative_tokens", "must be in [1, 64]")
-        _check(self.verify_mode == "chain", f"{key}.verify_mode", "only 'chain' is supported")
+        _check(self.verify_mode in VERIFY_MODES, f"{key}.verify_mode", f"one of {', '.join(VERIFY_MODES)}")
+        _check(1 <= self.tree_budget <= MAX_TREE_BUDGET, f"{key}.tree_budget", f"must be in [1, {MAX_TREE_BUDGET}]")
+        _check(bool(self.feature_layers) and all(x >= 0 for x in self.feature_layers), f"{key}.feature_layers",
+               "needs at least one decoder layer index >= 0")
+        _check(self.feature_window >= 1, f"{key}.feature_window", "must be >= 1")
+
+    def default_tree_budget(self) -> int:
+        """Draft-tree nodes per round for a request that does not choose (0 = chain)."""
+        return self.tree_budget if self.verify_mode == "tree" else 0
 
 
 @dataclass(frozen=True)
@@ -170,11 +184,23 @@ class DraftModelConfig:
 
 
 @dataclass(frozen=True)
+class BlockWorkerConfig:
+    """The block drafter's artefact (specmesh/drafters): weights + config + MANIFEST.sha256."""
+
+    path: str | None = None  # null: artifacts/drafters/<model.name>-block in the source tree, if present
+    dtype: str = "bfloat16"
+
+    def validate(self, key: str) -> None:
+        _check(self.dtype in ("bfloat16", "float16", "float32"), f"{key}.dtype", "bfloat16|float16|float32")
+
+
+@dataclass(frozen=True)
 class DraftWorkerConfig:
     listen: str = "127.0.0.1:50053"
-    methods: tuple[str, ...] = ("ngram", "draft_model")  # drafters this worker loads
+    methods: tuple[str, ...] = ("ngram", "draft_model", "block")  # drafters this worker loads
     ngram: NgramConfig = field(default_factory=NgramConfig)
     draft_model: DraftModelConfig = field(default_factory=DraftModelConfig)
+    block: BlockWorkerConfig = field(default_factory=BlockWorkerConfig)
     max_batch_size: int = 16
     cache_max_sequences: int = 256  # per-sequence draft KV kept (LRU) for reuse across rounds
     max_workers: int = 64
@@ -185,6 +211,7 @@ class DraftWorkerConfig:
             _check(m in DRAFTERS, f"{key}.methods", f"unknown drafter {m!r} (known: {', '.join(DRAFTERS)})")
         self.ngram.validate(f"{key}.ngram")
         self.draft_model.validate(f"{key}.draft_model")
+        self.block.validate(f"{key}.block")
         _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
         _check(self.cache_max_sequences >= 1, f"{key}.cache_max_sequences", "must be >= 1")
 

@@ -12,7 +12,7 @@ from specmesh.config import ConfigError
 from specmesh.engine.loader import load_configured_model
 from specmesh.errors import ModelIntegrityError, Unavailable
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
-from specmesh.rpc.convert import proposal_from_pb, sampling_from_pb
+from specmesh.rpc.convert import feature_request_from_pb, features_to_pb, proposal_from_pb, sampling_from_pb
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
 from specmesh.runtime import service_args, start_process
@@ -36,18 +36,23 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
         if self.draining:
             raise Unavailable("target worker is draining; the sequence goes to another worker")
         set_attributes({"specmesh.seq_id": request.seq_id, "specmesh.prompt_tokens": len(request.prompt)})
+        features = feature_request_from_pb(request)  # None: no features asked, none computed
         with self._slot(context):
-            token = self.engine.prefill(request.seq_id, list(request.prompt), sampling_from_pb(request.sampling),
-                                        timeout=context.time_remaining())
-        return pb.PrefillResponse(token_id=token)
+            out = self.engine.prefill_outcome(request.seq_id, list(request.prompt), sampling_from_pb(request.sampling),
+                                              timeout=context.time_remaining(), features=features)
+        return pb.PrefillResponse(token_id=out.token, features=features_to_pb(out.features))
 
     def Verify(self, request, context):
-        draft = proposal_from_pb(request.draft_token_ids, request.draft_probs, request.vocab_size)
+        draft = proposal_from_pb(request.draft_token_ids, request.draft_probs, request.vocab_size,
+                                 request.draft_parents)
+        features = feature_request_from_pb(request)
         with self._slot(context):
-            out = self.engine.verify(request.seq_id, draft, timeout=context.time_remaining())
+            out = self.engine.verify(request.seq_id, draft, timeout=context.time_remaining(), features=features)
         set_attributes({"specmesh.seq_id": request.seq_id, "specmesh.drafted_tokens": len(draft.token_ids),
                         "specmesh.accepted_tokens": out.accepted, "specmesh.bonus": out.bonus})
-        return pb.VerifyResponse(accepted=out.accepted, token_ids=out.tokens, bonus=out.bonus)
+        return pb.VerifyResponse(accepted=out.accepted, token_ids=out.tokens, bonus=out.bonus,
+                                 cache_length=self.engine.cache_length(request.seq_id),
+                                 features=features_to_pb(out.features))
 
     def _slot(self, context):
         return self.admission.slot(deadline_from(context)) if self.admission is not None else contextlib.nullcontext()

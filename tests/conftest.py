@@ -2,8 +2,9 @@
 
 - model_dir / target_model / target_tokenizer: the default model, fetched and loaded once per
   session (marked tests only; unit tests never touch them).
-- free_port(): a free TCP port on 127.0.0.1.
-- services: a factory that starts REAL in-process gRPC servers (target worker, draft worker,
+- free_port() / free_ports(n): free TCP ports on 127.0.0.1 (also as the `free_port` fixture).
+- services: a factory, services(overrides=None, components=ALL_SERVICES, draft_model=None)
+  -> ServiceStack, that starts REAL in-process gRPC servers (target worker, draft worker,
   coordinator, gateway) on free ports with the real servicers, and stops them at teardown.
 - hf_reference: Hugging Face `generate` (greedy) on the same model and chat template, with the
   LM head in float32 like our engine — the ground truth for token-identity tests.
@@ -36,6 +37,9 @@ def pytest_configure(config: pytest.Config) -> None:
 
 # ---------------------------------------------------------------------------- model fixtures
 
+MODEL_TEST_DTYPE = os.environ.get("SPECMESH_TEST_DTYPE", "float32")
+
+
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
     """The default model's verified cache dir (downloads and converts it on first use)."""
@@ -46,11 +50,30 @@ def model_dir() -> Path:
 
 @pytest.fixture(scope="session")
 def target_model(model_dir: Path):
-    """The default model (bf16, eval, no grad), loaded once per session and shared by every
-    test and every in-process server. Never mutate it (wrap or copy instead)."""
+    """The default model (eval, no grad) in MODEL_TEST_DTYPE, loaded once per session and shared
+    by every test and every in-process server. Never mutate it (wrap or copy instead).
+
+    Why float32 here, while the services default to bf16: token identity must be a statement
+    about the algorithm, so the paths being compared have to compute the same numbers. In
+    float32 they do, to ~1e-4 in the logits: a (k+1)-position verify vs k one-position AR steps,
+    and a padded batched verify vs the same sequence alone. In bf16 they do not: oneDNN rounds an
+    M=1 and an M=5 GEMM differently and the shorter sequence of a padded batch shifts by
+    0.3-0.6 logits (measured), so near-ties (gaps 0.005-0.16 seen) can flip. The bf16 identity
+    rate is measured and reported (docs/numerics.md, `specmesh bench` mismatches), never hidden
+    by a looser assertion; tests/model/test_identity.py also asserts bf16 identity where the
+    paths are bitwise aligned (one request, speculation off).
+    """
     from specmesh.engine.loader import load_model
 
-    return load_model(model_dir)
+    return load_model(model_dir, MODEL_TEST_DTYPE)
+
+
+@pytest.fixture(scope="session")
+def target_model_bf16(model_dir: Path):
+    """The default model in bf16, the services' default dtype (see target_model)."""
+    from specmesh.engine.loader import load_model
+
+    return load_model(model_dir, "bfloat16")
 
 
 @pytest.fixture(scope="session")
@@ -180,7 +203,8 @@ def start_services(target_model, prompt_encoder, overrides: dict | None = None,
     """Start the requested services on free ports; see the `services` fixture."""
     from coordinator.clients import GrpcDraftPool, TargetPool
     from coordinator.server import CoordinatorServicer
-    from draft_worker.drafters import ModelDrafter, NgramDrafter
+    from draft_worker.block_loader import load_block_model
+    from draft_worker.drafters import BlockDrafter, ModelDrafter, NgramDrafter
     from draft_worker.server import DraftWorkerServicer
     from gateway.server import GatewayServicer
     from specmesh.config import load_config
@@ -221,6 +245,10 @@ def start_services(target_model, prompt_encoder, overrides: dict | None = None,
                     _, draft_model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest)
                 stack.drafters["draft_model"] = ModelDrafter(draft_model if draft_model is not None else target_model,
                                                              w.max_batch_size, w.cache_max_sequences)
+            if "block" in w.methods:  # the trained block drafter, around the session model's embedding / head
+                block = load_block_model(cfg, target_model.get_input_embeddings(), target_model.get_output_embeddings())
+                if block is not None:  # None: no artefact in this checkout
+                    stack.drafters["block"] = BlockDrafter(block, w.max_batch_size, w.cache_max_sequences)
             dservicer = DraftWorkerServicer(stack.drafters, cfg.speculative.max_speculative_tokens)
             stack.servers["draft_worker"] = Service(
                 "specmesh.v1.DraftWorker", w.listen,
@@ -256,7 +284,8 @@ def services(target_model, prompt_encoder):
     """Factory: services(overrides=None, components=ALL_SERVICES, draft_model=None) -> ServiceStack.
 
     Starts REAL gRPC servers in this process on free 127.0.0.1 ports, with the real servicers:
-    TargetWorkerServicer + TargetEngine, DraftWorkerServicer (NgramDrafter, ModelDrafter),
+    TargetWorkerServicer + TargetEngine, DraftWorkerServicer (NgramDrafter, ModelDrafter, BlockDrafter
+    when the artefact is present),
     CoordinatorServicer, GatewayServicer. The config comes from specmesh.config.load_config with
     the free-port addresses merged under `overrides` (a nested dict shaped like the YAML, e.g.
     {"target_worker": {"cache": {"max_sequences": 1}}}). The target engine and, unless the config
@@ -267,8 +296,11 @@ def services(target_model, prompt_encoder):
     """
     stacks: list[ServiceStack] = []
 
-    def start(overrides: dict | None = None, components: tuple[str, ...] = ALL_SERVICES, draft_model=None):
-        stack = start_services(target_model, prompt_encoder, overrides, components, draft_model)
+    def start(overrides: dict | None = None, components: tuple[str, ...] = ALL_SERVICES, draft_model=None,
+              model=None):
+        """model: serve this loaded target instead of the session's (e.g. target_model_bf16)."""
+        stack = start_services(model if model is not None else target_model, prompt_encoder, overrides,
+                               components, draft_model)
         stacks.append(stack)
         return stack
 
@@ -335,6 +367,17 @@ class Fp32Head(torch.nn.Module):
 
 @pytest.fixture(scope="session")
 def hf_reference(target_model, target_tokenizer, eos_token_id):
+    """HF greedy reference on the session model (MODEL_TEST_DTYPE); see hf_reference_runner."""
+    return hf_reference_runner(target_model, target_tokenizer, eos_token_id)
+
+
+@pytest.fixture(scope="session")
+def hf_reference_bf16(target_model_bf16, target_tokenizer, eos_token_id):
+    """HF greedy reference on the bf16 model (fp32 LM head); see hf_reference_runner."""
+    return hf_reference_runner(target_model_bf16, target_tokenizer, eos_token_id)
+
+
+def hf_reference_runner(target_model, target_tokenizer, eos_token_id):
     """hf_reference(prompt=None, *, messages=None, raw=False, prompt_ids=None, max_tokens) -> Reference.
 
     Hugging Face transformers greedy `generate` on the SAME loaded model (its weights are

@@ -42,6 +42,11 @@ class DraftProposal:
     # (after the same temperature/top-k/top-p warping the target uses). None = point mass on
     # each drafted token (n-gram lookup, or greedy drafting).
     probs: torch.Tensor | None = None
+    # A draft tree (specmesh.core.tree): parents[i] = index of token_ids[i]'s parent among the
+    # drafts, -1 = the pending token. None = a chain (token_ids in order).
+    parents: list[int] | None = None
+    # The drafter needs target features it does not hold (block drafter cache miss): resend.
+    missing_features: bool = False
 
 
 @dataclass(frozen=True)
@@ -55,10 +60,29 @@ class VerifyOutcome:
     accepted: int
     tokens: list[int]
     bonus: bool
+    # [accepted + 1, F] bfloat16: target features of the slots committed to the KV cache
+    # ([pending, accepted drafts...]), when the round asked for them (FeatureSpec)
+    features: torch.Tensor | None = None
 
     @property
     def recovered(self) -> bool:
         return not self.bonus
+
+
+@dataclass(frozen=True)
+class FeatureSpec:
+    """Target features to return for the block drafter: per committed position, the outputs of
+    these 0-based decoder layers concatenated (the last layer's after the final norm, as HF's
+    hidden_states[-1]); prefill returns only the last max_rows prompt positions (0 = all)."""
+
+    layers: tuple[int, ...]
+    max_rows: int = 0
+
+
+@dataclass(frozen=True)
+class PrefillOutcome:
+    token: int  # the first output token
+    features: torch.Tensor | None = None  # [rows, F] bfloat16, the prompt's last rows (FeatureSpec)
 
 
 @dataclass
@@ -74,16 +98,21 @@ class SpecStats:
     draft_failures: int = 0  # rounds that fell back to k=0 because the draft tier failed
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
+    feature_bytes: int = 0  # target features received from the target tier (block drafter)
+    draft_feature_bytes: int = 0  # target features sent on to the draft tier
 
-    def record(self, drafted: int, accepted: int, emitted: int) -> None:
+    def record(self, drafted: int, accepted: int, emitted: int, positions: int | None = None) -> None:
+        """positions: draft positions (depths) of the round; default = drafted (a chain). A draft
+        tree of N nodes and depth D counts N drafted tokens over D positions."""
+        positions = drafted if positions is None else positions
         self.rounds += 1
         self.drafted_tokens += drafted
         self.accepted_tokens += accepted
         self.emitted_tokens += emitted
-        grow = max(drafted, len(self.drafted_per_position))
+        grow = max(positions, len(self.drafted_per_position))
         self.drafted_per_position += [0] * (grow - len(self.drafted_per_position))
         self.accepted_per_position += [0] * (grow - len(self.accepted_per_position))
-        for i in range(drafted):
+        for i in range(positions):
             self.drafted_per_position[i] += 1
         for i in range(accepted):
             self.accepted_per_position[i] += 1
@@ -103,3 +132,4 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()
     deadline: float | None = None  # time.monotonic() by which the request must end
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    tree_budget: int = 0  # draft-tree nodes per round (block drafter); 0 = chain

@@ -45,15 +45,16 @@ def _start_local_head(num_cpus: int, resources: dict) -> None:
     if resources:
         cmd += ["--resources", json.dumps(resources)]
     print(f"specmesh ray: starting a local Ray head: {' '.join(cmd)}", file=sys.stderr)
-    os.environ[LOOPBACK_ENV] = "0"  # keep a local cluster on 127.0.0.1 (else Ray advertises the host's IP)
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
 
 
 def connect(address: str | None, start_local: bool = False, num_cpus: int = 0, resources: dict | None = None):
+    address = address or os.environ.get("RAY_ADDRESS")
+    if not address:  # a local cluster: keep it (and this driver) on 127.0.0.1; read when ray is imported
+        os.environ.setdefault(LOOPBACK_ENV, "0")
     ray = _ray()
     from specmesh.ray.mesh import NAMESPACE
 
-    address = address or os.environ.get("RAY_ADDRESS")
     kwargs = dict(namespace=NAMESPACE, logging_level="ERROR", log_to_driver=False)
     if address:
         return ray.init(address=address, **kwargs)
@@ -69,7 +70,7 @@ def connect(address: str | None, start_local: bool = False, num_cpus: int = 0, r
 def build_spec(args):
     from specmesh.config import load_config
     from specmesh.ray.env import actor_env
-    from specmesh.ray.mesh import RayMeshSpec, TierSpec
+    from specmesh.ray.spec import RayMeshSpec, TierSpec
 
     cfg = load_config(args.config)
     redis_url = args.redis or cfg.registry.url
@@ -138,7 +139,9 @@ def _cmd_down(args) -> int:
     n = mesh.down()
     print(f"specmesh ray: stopped {n} replica(s)", file=sys.stderr)
     if args.stop_cluster:
-        subprocess.run([str(Path(sys.executable).parent / "ray"), "stop"], check=False)
+        res = subprocess.run([str(Path(sys.executable).parent / "ray"), "stop"], check=False, capture_output=True,
+                             text=True)
+        print(f"specmesh ray: `ray stop` exited {res.returncode}", file=sys.stderr)
     return 0
 
 

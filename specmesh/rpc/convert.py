@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specmesh.core.types import DraftProposal, SamplingParams, SpecStats
+from specmesh.core.types import DraftProposal, FeatureSpec, SamplingParams, SpecStats
 from specmesh.errors import InvalidArgument
 from specmesh.v1 import specmesh_pb2 as pb
 
@@ -42,9 +42,47 @@ def probs_from_bytes(data: bytes, k: int, vocab_size: int) -> torch.Tensor | Non
     return torch.from_numpy(np.frombuffer(data, dtype="<f4").reshape(k, vocab_size).copy())
 
 
-def proposal_from_pb(token_ids, probs: bytes, vocab_size: int) -> DraftProposal:
+def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missing_features: bool = False
+                     ) -> DraftProposal:
+    """parents: a draft tree's parent list (empty = a chain)."""
     tokens = list(token_ids)
-    return DraftProposal(tokens, probs_from_bytes(probs, len(tokens), vocab_size))
+    tree = list(parents) or None
+    if tree is not None and len(tree) != len(tokens):
+        raise InvalidArgument("draft_parents", f"{len(tree)} parents for {len(tokens)} draft tokens")
+    return DraftProposal(tokens, probs_from_bytes(probs, len(tokens), vocab_size), tree, missing_features)
+
+
+def features_to_pb(rows: torch.Tensor | None) -> pb.FeatureRows | None:
+    """rows: [n, F] -> FeatureRows with bfloat16 little-endian bytes (None -> None)."""
+    if rows is None:
+        return None
+    bf16 = rows.detach().to(torch.bfloat16).contiguous()
+    data = bf16.view(torch.int16).numpy().astype("<i2", copy=False).tobytes()  # bf16 bits as int16
+    return pb.FeatureRows(data=data, rows=bf16.shape[0], dim=bf16.shape[1])
+
+
+def features_from_pb(msg: pb.FeatureRows, field: str = "features") -> torch.Tensor | None:
+    """Inverse of features_to_pb -> [rows, dim] bfloat16, or None for an empty message."""
+    if msg.rows == 0 and not msg.data:
+        return None
+    if msg.rows < 0 or msg.dim <= 0 or len(msg.data) != 2 * msg.rows * msg.dim:
+        raise InvalidArgument(field, f"{len(msg.data)} bytes is not bfloat16 [{msg.rows}, {msg.dim}]")
+    bits = np.frombuffer(msg.data, dtype="<i2").reshape(msg.rows, msg.dim).copy()
+    return torch.from_numpy(bits).view(torch.bfloat16)
+
+
+def feature_request_to_pb(spec: FeatureSpec) -> pb.FeatureRequest:
+    return pb.FeatureRequest(layers=list(spec.layers), max_rows=spec.max_rows)
+
+
+def feature_request_from_pb(request, field: str = "return_features") -> FeatureSpec | None:
+    """The FeatureSpec of a Prefill/Verify request, None when it asks for no features."""
+    if not request.HasField(field):
+        return None
+    msg = getattr(request, field)
+    if not msg.layers or msg.max_rows < 0:
+        raise InvalidArgument(field, "needs at least one layer and max_rows >= 0")
+    return FeatureSpec(tuple(msg.layers), msg.max_rows)
 
 
 def stats_to_pb(stats: SpecStats, method: str) -> pb.SpecStats:
@@ -59,4 +97,6 @@ def stats_to_pb(stats: SpecStats, method: str) -> pb.SpecStats:
         method=method,
         draft_time_s=stats.draft_time_s,
         verify_time_s=stats.verify_time_s,
+        feature_bytes=stats.feature_bytes,
+        draft_feature_bytes=stats.draft_feature_bytes,
     )

@@ -9,7 +9,7 @@ import math
 import time
 from dataclasses import dataclass
 
-from specmesh.config import METHODS, SpeculativeConfig
+from specmesh.config import MAX_TREE_BUDGET, METHODS, SpeculativeConfig
 from specmesh.core.types import GenerationRequest, SamplingParams
 from specmesh.errors import InvalidArgument
 from specmesh.rpc.convert import sampling_from_pb
@@ -47,6 +47,16 @@ def _speculation(req, spec: SpeculativeConfig) -> tuple[str, int]:
     return method, k
 
 
+def _tree_budget(req, spec: SpeculativeConfig) -> int:
+    """Draft-tree nodes per round: the request's (0 = chain), else the deployment's default."""
+    if not req.speculation.HasField("tree_budget"):
+        return spec.default_tree_budget()
+    budget = req.speculation.tree_budget
+    if not 0 <= budget <= MAX_TREE_BUDGET:
+        raise InvalidArgument("speculation.tree_budget", f"must be in [0, {MAX_TREE_BUDGET}] (0 = chain)")
+    return budget
+
+
 def _stop(req, limits: Limits) -> tuple[str, ...]:
     if len(req.stop) > limits.max_stop_strings:
         raise InvalidArgument("stop", f"at most {limits.max_stop_strings} stop strings")
@@ -73,6 +83,7 @@ def decode_request(req, encoder: PromptEncoder, limits: Limits, spec: Speculativ
         raise InvalidArgument("max_tokens", f"must be in [1, {limits.max_tokens}]")
     params = _sampling(req)
     method, k = _speculation(req, spec)
+    tree_budget = _tree_budget(req, spec)
     stop = _stop(req, limits)
     prompt_ids = _prompt_ids(req, encoder)
     if len(prompt_ids) + req.max_tokens > encoder.context_window:
@@ -80,4 +91,5 @@ def decode_request(req, encoder: PromptEncoder, limits: Limits, spec: Speculativ
                                             f"exceeds the {encoder.context_window}-token context window")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     kwargs = {"request_id": req.request_id} if req.request_id else {}
-    return GenerationRequest(prompt_ids, req.max_tokens, params, method, k, stop, deadline, **kwargs)
+    return GenerationRequest(prompt_ids, req.max_tokens, params, method, k, stop, deadline, tree_budget=tree_budget,
+                             **kwargs)

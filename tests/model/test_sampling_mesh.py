@@ -95,9 +95,6 @@ def test_top_k_1_at_temperature_1_is_greedy(mesh, method):
         assert topk1.spec.drafted_tokens == greedy.spec.drafted_tokens
 
 
-@pytest.mark.xfail(strict=False, reason="bug: ModelDrafter seeds its draft stream with seq_id, which the coordinator "
-                                      "makes unique per request (request_id + uuid4), so same-seed requests draft "
-                                      "different tokens and (at high acceptance) emit different tokens")
 def test_self_draft_sampling_is_reproducible(services):
     """Same seed, same request, good drafter (the target itself) at T > 0: identical tokens.
     (The random drafter above hides the problem: its drafts are nearly always rejected, and the

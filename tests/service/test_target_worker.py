@@ -84,7 +84,8 @@ def test_verify_accepts_a_correct_draft_and_recovers_a_wrong_one(worker, prompt_
 def test_status_tracks_sequences_and_kv_bytes(worker, prompt_ids, target_model):
     stub, engine = worker.target_stub, worker.engine
     cfg = target_model.config
-    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 2  # K and V, bf16
+    elem = next(target_model.parameters()).element_size()  # bytes per KV element (model dtype)
+    per_token = 2 * cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * elem  # K and V
     st = _status(stub)
     assert (st.live_sequences, st.kv_cache_bytes, st.vocab_size) == (0, 0, cfg.vocab_size)
     assert st.model == "test-target"
@@ -109,7 +110,6 @@ def test_status_tracks_sequences_and_kv_bytes(worker, prompt_ids, target_model):
     assert (st.live_sequences, st.kv_cache_bytes, st.queue_length) == (0, 0, 0)
 
 
-@pytest.mark.xfail(strict=True, reason="bug: TargetWorkerServicer.Verify never sets VerifyResponse.cache_length")
 def test_verify_reports_cache_length(worker, prompt_ids):
     stub = worker.target_stub
     first = _prefill(stub, "c", prompt_ids)

@@ -1,0 +1,85 @@
+"""The trained block drafter through real servers (gateway -> coordinator -> draft + target
+workers over TCP): at T=0 the output is token-identical to Hugging Face greedy `generate` (LM head
+in fp32, the hf_reference fixture), as a chain and as a draft tree verified in one forward, one
+request at a time and 4 concurrent; and the drafter earns its keep (acceptance length > 1).
+
+Skipped when the artefact (artifacts/drafters/<model>-block) is not in this checkout.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from draft_worker.block_loader import artefact_dir
+from specmesh.config import load_config
+
+pytestmark = [
+    pytest.mark.model,
+    pytest.mark.skipif(not artefact_dir(load_config(environ={}))[0].is_dir(), reason="no block drafter artefact"),
+]
+
+MAX_TOKENS = 32
+K = 7  # the drafter's block: 8 positions, 7 drafts
+
+PROMPTS = [
+    ("code", dict(prompt="Write a Python function that returns the n-th Fibonacci number.")),
+    ("list", dict(prompt="List five fruits, one per line.")),
+    ("prose", dict(prompt="Write two sentences about the ocean at night.")),
+    ("math", dict(prompt="What is 17 * 23? Show your work.")),
+]
+
+# As in test_identity: bf16 SDPA on CPU is not batch invariant, so batched (padded) verification
+# can flip near-tie tokens; the assertion still runs and `-rx` prints every mismatch with its gap.
+BATCH_VARIANT = pytest.mark.xfail(
+    reason="bf16 SDPA is not batch-invariant: padded batched prefill/verify flips near-tie tokens",
+    raises=AssertionError, strict=False)
+
+
+@pytest.fixture(scope="module")
+def references(hf_reference):
+    return {label: hf_reference(max_tokens=MAX_TOKENS, **kw) for label, kw in PROMPTS}
+
+
+def _generate(mesh, kw: dict, tree_budget: int):
+    req = mesh.request(max_tokens=MAX_TOKENS, method="block", k=K, temperature=0.0, **kw)
+    req.speculation.tree_budget = tree_budget
+    return mesh.gateway_stub.Generate(req, timeout=600)
+
+
+def _run(mesh, tree_budget: int, concurrency: int):
+    if concurrency == 1:
+        return [_generate(mesh, kw, tree_budget) for _, kw in PROMPTS]
+    with ThreadPoolExecutor(concurrency) as pool:
+        return list(pool.map(lambda item: _generate(mesh, item[1], tree_budget), PROMPTS))
+
+
+@pytest.mark.parametrize("concurrency", [1, pytest.param(4, marks=BATCH_VARIANT)])
+@pytest.mark.parametrize("tree_budget", [0, 16], ids=["chain", "tree16"])
+def test_block_matches_hf_greedy(services, references, target_tokenizer, tree_budget, concurrency):
+    mesh = services()
+    assert "block" in mesh.drafters, "the draft worker did not load the block drafter"
+    responses = _run(mesh, tree_budget, concurrency)
+    problems = []
+    for (label, kw), resp in zip(PROMPTS, responses):
+        why = references[label].explain_mismatch(list(resp.token_ids), target_tokenizer,
+                                                 f"[block tree_budget={tree_budget}, concurrency {concurrency}] {label}")
+        if why:
+            problems.append(why)
+        spec = resp.spec
+        assert spec.method == "block" and spec.draft_failures == 0, spec
+        assert spec.drafted_tokens > 0 and spec.feature_bytes > 0 and spec.draft_feature_bytes > 0, spec
+    assert not problems, "\n".join(problems)
+    if tree_budget:
+        # a tree drafts more nodes than it has positions
+        assert sum(r.spec.drafted_tokens for r in responses) > sum(sum(r.spec.drafted_per_position) for r in responses)
+
+
+@pytest.mark.parametrize("tree_budget", [0, 16], ids=["chain", "tree16"])
+def test_block_acceptance_length_above_one(services, tree_budget):
+    mesh = services()
+    responses = _run(mesh, tree_budget, 1)
+    rounds = sum(r.spec.rounds for r in responses)
+    emitted = sum(r.spec.mean_acceptance_length * r.spec.rounds for r in responses)
+    assert rounds > 0 and emitted / rounds > 1.0, [r.spec for r in responses]

@@ -1,0 +1,222 @@
+"""Block drafter plumbing without the real model: feature windows (specmesh.core.features), the
+draft worker's BlockDrafter on a tiny random block model, and the coordinator loop moving
+features target -> draft tier (delta per round, whole window after a miss)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from coordinator.loop import Generation
+from draft_worker.drafters import BlockDrafter, ProposeJob
+from specmesh.core.features import FeatureFeed, FeatureWindow
+from specmesh.core.types import (DraftProposal, FeatureSpec, GenerationRequest, PrefillOutcome, SamplingParams,
+                                 VerifyOutcome)
+from specmesh.drafters.block import BlockDrafter as BlockModel, BlockDrafterConfig
+
+V, H, W, F = 48, 16, 6, 32  # vocab, hidden, feature window, feature width (2 layers x 16)
+
+
+def rows(start: int, end: int, width: int = F) -> torch.Tensor:
+    """Feature rows of positions [start, end): row value = its position (checkable)."""
+    return torch.arange(start, end, dtype=torch.float32)[:, None].expand(-1, width).to(torch.bfloat16)
+
+
+def positions(t: torch.Tensor) -> list[int]:
+    return [int(x) for x in t[:, 0].float().tolist()]
+
+
+# ------------------------------------------------------------------ windows
+
+def test_window_appends_overlaps_trims_and_refuses_gaps():
+    w = FeatureWindow(W, rows(0, 4), end=4)
+    assert (w.start, w.end, len(w)) == (0, 4, 4)
+    assert w.extend(rows(4, 7), 7) and positions(w.rows) == [1, 2, 3, 4, 5, 6]  # trimmed to W
+    assert w.extend(rows(5, 9), 9) and positions(w.rows) == [3, 4, 5, 6, 7, 8]  # overlap replaced
+    assert not w.extend(rows(10, 12), 12) and w.end == 9  # gap at 9: refused, unchanged
+    assert positions(w.since(7)) == [7, 8] and positions(w.since(0)) == [3, 4, 5, 6, 7, 8]
+    feats, valid = FeatureWindow(W, rows(0, 2), 2).padded()
+    assert feats.shape == (W, F) and valid.tolist() == [False] * 4 + [True] * 2
+
+
+def test_feed_sends_deltas_then_the_whole_window():
+    feed = FeatureFeed(W)
+    feed.reset(rows(2, 8), end=8)
+    out, complete = feed.outgoing()
+    assert complete and positions(out) == [2, 3, 4, 5, 6, 7]
+    feed.sent()
+    feed.extend(rows(8, 10), end=10)
+    out, complete = feed.outgoing()
+    assert not complete and positions(out) == [8, 9]
+    out, complete = feed.outgoing(complete=True)  # after a miss
+    assert complete and positions(out) == [4, 5, 6, 7, 8, 9]
+
+
+# ------------------------------------------------------------------ the draft worker's drafter
+
+@pytest.fixture(scope="module")
+def drafter():
+    torch.manual_seed(0)
+    embed = nn.Embedding(V, H)
+    head = nn.Linear(H, V, bias=False)
+    head.weight = embed.weight
+    cfg = BlockDrafterConfig(target_layers=(0, 1), target_hidden_size=H, hidden_size=H, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=8, intermediate_size=32, block_size=5, context_window=W,
+                             vocab_size=V)
+    model = BlockModel(cfg, embed, head).eval()
+    d = BlockDrafter(model, max_batch_size=4, cache_max_sequences=2)
+    yield d
+    d.close()
+
+
+def job(seq, ctx_len, feats=None, complete=False, k=4, params=SamplingParams(), tree=0, round_=0):
+    return ProposeJob(seq, list(range(1, ctx_len + 1)), k, params, round_, feats, complete, tree)
+
+
+def test_miss_then_complete_then_deltas(drafter):
+    assert drafter.propose(job("a", 9, rows(6, 8))).missing_features  # nothing held: a delta is a miss
+    first = drafter.propose(job("a", 9, rows(2, 8), complete=True))
+    assert not first.missing_features and len(first.token_ids) == 4 and first.probs is None
+    assert not drafter.propose(job("a", 11, rows(8, 10))).missing_features  # contiguous delta
+    assert drafter.propose(job("a", 14, rows(11, 13))).missing_features  # rows 10 missing: a gap
+    assert drafter.propose(job("a", 14, rows(12, 13))).missing_features  # the miss dropped the window
+
+
+def test_greedy_chain_is_the_models_argmax(drafter):
+    d = drafter.propose(job("b", 9, rows(2, 8), complete=True, k=10))
+    assert len(d.token_ids) == 4  # block of 5: at most 4 drafts
+    feats, valid = FeatureWindow(W, rows(2, 8), 8).padded()
+    want = drafter.model.draft(torch.tensor([9]), feats[None], valid[None])[0].tolist()
+    assert d.token_ids == want
+
+
+def test_sampled_chain_returns_its_distributions(drafter):
+    params = SamplingParams(temperature=0.9, top_k=10, seed=3)
+    a = drafter.propose(job("c", 9, rows(2, 8), complete=True, params=params))
+    assert a.probs.shape == (4, V) and torch.allclose(a.probs.sum(-1), torch.ones(4))
+    assert all(a.probs[i, t] > 0 for i, t in enumerate(a.token_ids))
+    assert ((a.probs > 0).sum(-1) <= 10).all()  # warped with the request's top_k
+    again = drafter.propose(job("c", 9, rows(2, 8), complete=True, params=params))
+    assert again.token_ids == a.token_ids  # seeded: reproducible per (seq, round)
+
+
+def test_tree_proposal(drafter):
+    d = drafter.propose(job("e", 9, rows(2, 8), complete=True, k=3, tree=10))
+    assert len(d.token_ids) == 10 and d.probs is None and len(d.parents) == 10
+    depth = []
+    for p in d.parents:
+        depth.append(1 if p < 0 else depth[p] + 1)
+    assert all(p < i for i, p in enumerate(d.parents)) and max(depth) <= 3
+
+
+def test_lru_keeps_at_most_the_configured_sequences(drafter):
+    for s in ("x", "y", "z"):
+        drafter.propose(job(s, 9, rows(2, 8), complete=True))
+    assert drafter.cached_sequences() == 2
+    assert drafter.propose(job("x", 11, rows(8, 10))).missing_features  # evicted
+
+
+# ------------------------------------------------------------------ the loop moves the features
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+SCRIPT = [(i % 20) + 10 for i in range(100)]
+
+
+class FeatureTarget:
+    """Greedy continuation SCRIPT; returns feature rows whose value is their position."""
+
+    def __init__(self):
+        self.emitted = 0
+        self.asked = []
+
+    def prefill_outcome(self, seq_id, prompt, params, timeout, features=None):
+        self.asked.append(("prefill", features))
+        self.emitted = 1
+        n = min(len(prompt), features.max_rows)
+        return PrefillOutcome(SCRIPT[0], rows(len(prompt) - n, len(prompt)))
+
+    def verify(self, seq_id, draft, timeout, features=None):
+        self.asked.append(("verify", features))
+        p, n = self.emitted, 0
+        while n < len(draft.token_ids) and draft.token_ids[n] == SCRIPT[p + n]:
+            n += 1
+        committed = len(PROMPT) + p - 1  # cache length before the round
+        self.emitted = p + n + 1
+        return VerifyOutcome(n, list(draft.token_ids[:n]) + [SCRIPT[p + n]], n == len(draft.token_ids),
+                             rows(committed, committed + n + 1))
+
+    def release(self, seq_id):
+        pass
+
+
+class WindowDrafts:
+    """A draft tier holding a FeatureWindow, checking every row's position; forgets on demand."""
+
+    def __init__(self, forget_at_round: int):
+        self.window = None
+        self.forget_at_round = forget_at_round
+        self.calls = []
+
+    def propose(self, seq_id, context, k, method, params, round_, timeout, features=None, tree_budget=0):
+        feats, complete = features
+        self.calls.append((round_, feats.shape[0], complete))
+        if round_ == self.forget_at_round and not complete:
+            self.window = None  # e.g. the worker restarted
+        end = len(context) - 1
+        if complete:
+            self.window = FeatureWindow(W, feats, end)
+        elif self.window is None or not self.window.extend(feats, end):
+            return DraftProposal([], None, missing_features=True)
+        assert positions(self.window.rows) == list(range(max(0, end - W), end))
+        p = len(context) - len(PROMPT)
+        return DraftProposal(SCRIPT[p:p + k] if round_ % 2 == 0 else SCRIPT[p:p + 1] + [0] * (k - 1), None)
+
+    def release(self, seq_id):
+        pass
+
+
+def test_loop_sends_deltas_and_recovers_from_a_miss():
+    req = GenerationRequest(list(PROMPT), 20, SamplingParams(), "block", 3, request_id="r")
+    target, drafts = FeatureTarget(), WindowDrafts(forget_at_round=2)
+    gen = Generation(req, target, drafts, type("Tok", (), {"decode": lambda self, ids, **kw: ""})(), {99}, 5.0,
+                     feature_spec=FeatureSpec((0, 1), W))
+    list(gen.run())
+    assert gen.out.token_ids == SCRIPT[:20]
+    assert all(spec == FeatureSpec((0, 1), W) for _, spec in target.asked)
+    # round 0: the prefill window (complete); then deltas; round 2: a miss, resent complete
+    assert drafts.calls[0] == (0, W, True)
+    assert drafts.calls[1][2] is False and drafts.calls[1][1] == 4  # k=3 all accepted: 4 rows
+    assert [c for c in drafts.calls if c[0] == 2] == [(2, 2, False), (2, W, True)]
+    s = gen.stats
+    assert s.draft_failures == 0
+    assert s.feature_bytes == (W + s.emitted_tokens) * F * 2  # prefill rows + one row per emitted token
+    assert s.draft_feature_bytes == sum(n for _, n, _ in drafts.calls) * F * 2
+
+
+# ------------------------------------------------------------------ loading the artefact
+
+def test_loader_checks_manifest_and_feature_config(drafter, tmp_path):
+    from draft_worker.block_loader import load_block_model
+    from specmesh.config import ConfigError, load_config
+    from specmesh.drafters.artifact import export_drafter
+    from specmesh.errors import ModelIntegrityError
+
+    model = drafter.model
+    out = export_drafter(model, tmp_path / "art")
+    embed, head = model.embed_tokens, model.lm_head
+
+    def cfg(path, layers=(0, 1), window=W):
+        return load_config(environ={}, overrides={"draft_worker": {"block": {"path": str(path)}},
+                                                  "speculative": {"feature_layers": list(layers),
+                                                                  "feature_window": window}})
+
+    loaded = load_block_model(cfg(out), embed, head)
+    assert loaded.cfg == model.cfg
+    with pytest.raises(ConfigError, match="feature_layers"):
+        load_block_model(cfg(out, layers=(1, 14, 27)), embed, head)
+    with pytest.raises(ModelIntegrityError):
+        load_block_model(cfg(tmp_path / "absent"), embed, head)  # configured explicitly: must exist
+    (out / "config.json").write_text((out / "config.json").read_text().replace('"num_layers": 1', '"num_layers": 2'))
+    with pytest.raises(ModelIntegrityError, match="MANIFEST"):
+        load_block_model(cfg(out), embed, head)
