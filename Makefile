@@ -6,6 +6,9 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.specmesh-installed
 PROTOS := $(wildcard protos/specmesh/v1/*.proto)
 STUBS := specmesh/v1/specmesh_pb2.py specmesh/v1/specmesh_pb2_grpc.py specmesh/v1/admin_pb2.py specmesh/v1/admin_pb2_grpc.py
+# optional extras: ray (`specmesh ray`, tests/e2e/test_ray.py) is a 79 MB CPU-only wheel, cheap next to
+# torch, so it is installed by default; `make setup EXTRAS=test` skips it (test_ray.py then skips)
+EXTRAS ?= test,ray
 
 .PHONY: setup venv deps protos model run test test-unit clean
 
@@ -18,7 +21,7 @@ $(VPY):
 # torch first, pinned to the CPU build, so nothing later can pull a multi-GB CUDA build.
 $(STAMP): pyproject.toml | $(VPY)
 	$(VPY) -m pip install -q torch==2.13.0
-	$(VPY) -m pip install -q -e '.[test]'
+	$(VPY) -m pip install -q -e '.[$(EXTRAS)]'
 	@if ! command -v redis-server >/dev/null 2>&1; then \
 	  echo "installing redis-server"; (apt-get update -qq && apt-get install -y -qq redis-server) || \
 	  echo "warning: could not install redis-server"; fi

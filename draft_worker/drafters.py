@@ -194,9 +194,9 @@ class BlockDrafter:
                                               f"got {tuple(rows.shape)}")
         with self._lock:
             win = self._cache.pop(job.seq_id, None)
-        if rows is not None and (job.features_complete or win is None):
-            win = FeatureWindow(self.window, rows, end) if job.features_complete else None
-        elif rows is not None and not win.extend(rows, end):
+        if rows is not None and job.features_complete:  # the sender's whole window: replace
+            win = FeatureWindow(self.window, rows, end)
+        elif rows is not None and (win is None or not win.extend(rows, end)):  # a delta with nothing to extend
             win = None
         if win is None or win.end != end or len(win) == 0:
             return None

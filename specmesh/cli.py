@@ -58,6 +58,8 @@ def build_request(args):
         req.speculation.method = args.method
     if args.k is not None:
         req.speculation.num_speculative_tokens = args.k
+    if getattr(args, "tree_budget", None) is not None:
+        req.speculation.tree_budget = args.tree_budget
     return req
 
 
@@ -76,6 +78,8 @@ def response_json(resp) -> dict:
             "mean_acceptance_length": spec.mean_acceptance_length,
             "accepted_per_position": list(spec.accepted_per_position),
             "draft_failures": spec.draft_failures,
+            "feature_bytes": spec.feature_bytes,
+            "draft_feature_bytes": spec.draft_feature_bytes,
         },
         "request_id": resp.request_id,
     }
@@ -153,8 +157,9 @@ def _add_generate_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--top-k", type=int)
     p.add_argument("--seed", type=int)
     p.add_argument("--stop", action="append", help="stop string (repeatable)")
-    p.add_argument("--method", help="drafter name (ngram, draft_model) or off")
+    p.add_argument("--method", help="drafter name (ngram, draft_model, block) or off")
     p.add_argument("--k", type=int, help="speculative tokens per round")
+    p.add_argument("--tree-budget", type=int, help="block drafter: draft-tree nodes per round (0 = chain)")
     p.add_argument("--stream", action="store_true")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--timeout", type=float, default=300.0, help="deadline in seconds")

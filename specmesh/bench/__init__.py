@@ -45,6 +45,8 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-dir", help="local stack: service logs here (default: a temporary directory)")
     p.add_argument("--start-timeout", type=float, default=300.0)
+    p.add_argument("--draft-workers", type=int, default=1, help="local stack: draft worker processes (scaling runs)")
+    p.add_argument("--target-workers", type=int, default=1, help="local stack: target worker processes")
     p.add_argument("--micro", action="store_true", help="time the target's verify forward alone instead")
     p.add_argument("--micro-context", type=int, default=256, help="--micro: KV tokens per sequence")
     p.add_argument("--micro-positions", default="1,2,4,8,16", help="--micro: new positions per sequence")

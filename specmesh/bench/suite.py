@@ -97,13 +97,14 @@ def mesh_target(args, drafters: list[str]):
         yield args.target
         return
     from specmesh.config import load_config
-    from specmesh.launcher import Mesh
+    from specmesh.launcher import Mesh, Scale
 
     with tempfile.TemporaryDirectory(prefix="specmesh-bench-") as tmp:
         path = local_config(args.config, drafters, args.threads, Path(tmp))
         cfg = load_config(path)
         log_dir = args.log_dir or str(Path(tmp) / "logs")
-        mesh = Mesh(cfg, str(path), log_dir)
+        scale = Scale(target_workers=getattr(args, "target_workers", 1), draft_workers=getattr(args, "draft_workers", 1))
+        mesh = Mesh(cfg, str(path), log_dir, scale=scale, free_ports=True)  # extra replicas on free ports
         print(f"bench: starting a local mesh (logs in {log_dir})", file=sys.stderr)
         mesh.start(timeout_s=args.start_timeout)
         try:

@@ -82,6 +82,7 @@ def compose_stack(tmp_path_factory):
             listen = services[name]["command"][-1]
             hosts[f"{name}:{listen.rsplit(':', 1)[1]}"] = f"127.0.0.1:{ports[name]}"
             hosts[listen] = f"127.0.0.1:{ports[name]}"  # 0.0.0.0:<port> -> a loopback port
+            hosts[f"127.0.0.1:{listen.rsplit(':', 1)[1]}"] = f"127.0.0.1:{ports[name]}"  # health checks
         base = {k: v for k, v in os.environ.items() if not k.startswith(("SPECMESH_", "OTEL_")) or k == "SPECMESH_HOME"}
         try:
             for name in ORDER:

@@ -51,7 +51,7 @@ def ray_mesh():
     from specmesh.ray.env import actor_env
 
     gw, co = _free_port(), _free_port()
-    config = {"runtime": {"torch_threads": 1, "log_level": "WARNING"},
+    config = {"model": {"dtype": "float32"}, "runtime": {"torch_threads": 1, "log_level": "WARNING"},
               "gateway": {"listen": f"127.0.0.1:{gw}", "coordinator": f"127.0.0.1:{co}"},
               "coordinator": {"listen": f"127.0.0.1:{co}"},
               "draft_worker": {"methods": ["ngram"]},

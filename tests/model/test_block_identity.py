@@ -2,6 +2,9 @@
 workers over TCP): at T=0 the output is token-identical to Hugging Face greedy `generate` (LM head
 in fp32, the hf_reference fixture), as a chain and as a draft tree verified in one forward, one
 request at a time and 4 concurrent; and the drafter earns its keep (acceptance length > 1).
+The target runs in float32 here (the session model, see tests/conftest.py's target_model), where
+a tree verify, a chain verify, a padded batch and HF's one-token decode agree to ~1e-4 in the
+logits, so identity is asserted strictly.
 
 Skipped when the artefact (artifacts/drafters/<model>-block) is not in this checkout.
 """
@@ -30,13 +33,6 @@ PROMPTS = [
     ("math", dict(prompt="What is 17 * 23? Show your work.")),
 ]
 
-# As in test_identity: bf16 SDPA on CPU is not batch invariant, so batched (padded) verification
-# can flip near-tie tokens; the assertion still runs and `-rx` prints every mismatch with its gap.
-BATCH_VARIANT = pytest.mark.xfail(
-    reason="bf16 SDPA is not batch-invariant: padded batched prefill/verify flips near-tie tokens",
-    raises=AssertionError, strict=False)
-
-
 @pytest.fixture(scope="module")
 def references(hf_reference):
     return {label: hf_reference(max_tokens=MAX_TOKENS, **kw) for label, kw in PROMPTS}
@@ -55,7 +51,7 @@ def _run(mesh, tree_budget: int, concurrency: int):
         return list(pool.map(lambda item: _generate(mesh, item[1], tree_budget), PROMPTS))
 
 
-@pytest.mark.parametrize("concurrency", [1, pytest.param(4, marks=BATCH_VARIANT)])
+@pytest.mark.parametrize("concurrency", [1, 4])
 @pytest.mark.parametrize("tree_budget", [0, 16], ids=["chain", "tree16"])
 def test_block_matches_hf_greedy(services, references, target_tokenizer, tree_budget, concurrency):
     mesh = services()
@@ -71,15 +67,23 @@ def test_block_matches_hf_greedy(services, references, target_tokenizer, tree_bu
         assert spec.method == "block" and spec.draft_failures == 0, spec
         assert spec.drafted_tokens > 0 and spec.feature_bytes > 0 and spec.draft_feature_bytes > 0, spec
     assert not problems, "\n".join(problems)
+    # the drafter earns its keep: more than one token per target step, pooled over the prompts
+    rounds = sum(r.spec.rounds for r in responses)
+    emitted = sum(r.spec.mean_acceptance_length * r.spec.rounds for r in responses)
+    assert rounds > 0 and emitted / rounds > 1.0, [r.spec for r in responses]
     if tree_budget:
         # a tree drafts more nodes than it has positions
         assert sum(r.spec.drafted_tokens for r in responses) > sum(sum(r.spec.drafted_per_position) for r in responses)
 
 
 @pytest.mark.parametrize("tree_budget", [0, 16], ids=["chain", "tree16"])
-def test_block_acceptance_length_above_one(services, tree_budget):
+def test_block_sampling_runs_clean(services, tree_budget):
+    """T > 0: chain drafts carry their warped distributions (rejection sampling), a tree is walked
+    by sampling the target (tests/unit/test_tree.py checks both distributions); here: no errors,
+    no draft failures, features flowing."""
     mesh = services()
-    responses = _run(mesh, tree_budget, 1)
-    rounds = sum(r.spec.rounds for r in responses)
-    emitted = sum(r.spec.mean_acceptance_length * r.spec.rounds for r in responses)
-    assert rounds > 0 and emitted / rounds > 1.0, [r.spec for r in responses]
+    req = mesh.request(max_tokens=24, method="block", k=K, temperature=0.8, top_p=0.95, seed=11, **PROMPTS[0][1])
+    req.speculation.tree_budget = tree_budget
+    resp = mesh.gateway_stub.Generate(req, timeout=600)
+    assert resp.usage.completion_tokens > 0 and resp.spec.method == "block"
+    assert resp.spec.draft_failures == 0 and resp.spec.drafted_tokens > 0 and resp.spec.feature_bytes > 0

@@ -1,0 +1,108 @@
+"""specmesh.launcher: replica addresses, how children are wired (static lists vs registry), and
+when the launcher gives up on the mesh. No process is started (except trivial `sleep`s)."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+
+import pytest
+
+from specmesh.cli import parser
+from specmesh.config import load_config
+from specmesh.deploy_cli import up_mesh_kwargs
+from specmesh.launcher import Child, Mesh, Scale, check_serving, plan_addresses
+
+
+def cfg(**over):
+    base = {"gateway": {"listen": "127.0.0.1:41001", "coordinator": "127.0.0.1:41002"},
+            "coordinator": {"listen": "127.0.0.1:41002"}, "draft_worker": {"listen": "127.0.0.1:41003"},
+            "target_worker": {"listen": "127.0.0.1:41004"}}
+    base.update(over)
+    return load_config(environ={}, overrides=base)
+
+
+def test_one_of_each_uses_the_configured_addresses():
+    addrs = plan_addresses(cfg(), Scale())
+    assert addrs == {"target_worker": ["127.0.0.1:41004"], "draft_worker": ["127.0.0.1:41003"],
+                     "coordinator": ["127.0.0.1:41002"], "gateway": ["127.0.0.1:41001"]}
+
+
+def test_extra_replicas_take_consecutive_free_ports_after_the_highest():
+    with socket.socket() as busy:  # 41005 is taken: skipped
+        busy.bind(("127.0.0.1", 41005))
+        busy.listen()
+        addrs = plan_addresses(cfg(), Scale(target_workers=2, draft_workers=3, gateways=2))
+    extra = addrs["target_worker"][1:] + addrs["draft_worker"][1:] + addrs["gateway"][1:]
+    assert extra == ["127.0.0.1:41006", "127.0.0.1:41007", "127.0.0.1:41008", "127.0.0.1:41009"]
+    assert addrs["gateway"][0] == "127.0.0.1:41001"  # the first gateway keeps the public port
+
+
+def test_free_ports_and_zero_draft_workers():
+    addrs = plan_addresses(cfg(), Scale(target_workers=3, draft_workers=0), free_ports=True)
+    assert addrs["draft_worker"] == [] and len(set(addrs["target_worker"])) == 3
+
+
+def test_static_wiring_passes_lists_and_spreads_gateways_over_coordinators():
+    mesh = Mesh(cfg(), None, None, env={"PATH": "/bin"}, scale=Scale(2, 2, 2, 3))
+    mesh.addresses = plan_addresses(mesh.cfg, mesh.scale, free_ports=True)
+    env = mesh._child_env("coordinator", 1)
+    assert env["SPECMESH_COORDINATOR__TARGET_WORKERS"] == "[" + ", ".join(mesh.addresses["target_worker"]) + "]"
+    assert env["SPECMESH_COORDINATOR__DRAFT_WORKERS"] == "[" + ", ".join(mesh.addresses["draft_worker"]) + "]"
+    coords = mesh.addresses["coordinator"]
+    assert [mesh._child_env("gateway", i)["SPECMESH_GATEWAY__COORDINATOR"] for i in range(3)] == \
+        [coords[0], coords[1], coords[0]]
+    loaded = load_config(environ=env)  # the env a coordinator gets is a valid config
+    assert loaded.coordinator.target_workers == tuple(mesh.addresses["target_worker"])
+    assert "SPECMESH_REGISTRY__URL" not in env
+
+
+def test_registry_wiring_gives_every_child_the_url():
+    mesh = Mesh(cfg(), None, None, env={}, redis_url="redis://127.0.0.1:1/0")
+    mesh.addresses = plan_addresses(mesh.cfg, mesh.scale)
+    for service in ("target_worker", "draft_worker", "coordinator", "gateway"):
+        env = mesh._child_env(service, 0)
+        assert env["SPECMESH_REGISTRY__URL"] == "redis://127.0.0.1:1/0"
+        assert "SPECMESH_COORDINATOR__TARGET_WORKERS" not in env
+
+
+def _child(name, service, alive):
+    proc = subprocess.Popen(["sleep", "30" if alive else "0"])
+    if not alive:
+        proc.wait()
+    return Child(name, "127.0.0.1:1", proc, None, service)
+
+
+def test_mesh_survives_dead_replicas_but_not_a_dead_tier():
+    mesh = Mesh(cfg(), None, None, env={})
+    mesh.children = [_child("target_worker", "target_worker", True), _child("target_worker_1", "target_worker", False),
+                     _child("draft_worker", "draft_worker", False), _child("coordinator", "coordinator", True),
+                     _child("gateway", "gateway", True)]
+    try:
+        assert mesh.fatal() is None  # a dead draft tier and a dead extra target: keep serving
+        mesh.children[0].proc.kill()
+        mesh.children[0].proc.wait()
+        assert mesh.fatal() == "no target_worker left"
+    finally:
+        for c in mesh.children:
+            if c.proc.poll() is None:
+                c.proc.kill()
+                c.proc.wait()
+
+
+def test_up_flags():
+    args = parser().parse_args(["up", "--draft-workers", "3", "--target-workers", "2", "--coordinators", "2",
+                                "--gateways", "2", "--redis", "local", "--free-ports"])
+    kw = up_mesh_kwargs(args)
+    assert kw["scale"] == Scale(target_workers=2, draft_workers=3, coordinators=2, gateways=2)
+    assert kw["redis_url"] == "local" and kw["free_ports"] is True
+    with pytest.raises(ValueError):
+        up_mesh_kwargs(parser().parse_args(["up", "--target-workers", "0"]))
+
+
+def test_probe_command_reports_serving_only(capsys):
+    from specmesh.cli import main
+    from specmesh.registry.local_redis import free_port
+
+    assert main(["probe", "--address", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 1
+    assert check_serving(f"127.0.0.1:{free_port()}", 0.3) is False
