@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import copy
 import os
-import socket
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -27,6 +26,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from specmesh.netutil import free_ports
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -101,20 +101,6 @@ def eos_token_id(model_dir: Path) -> int:
 
 
 # ---------------------------------------------------------------------------- ports
-
-def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports free on 127.0.0.1 a moment ago (held open together, so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
 
 def free_port() -> int:
     """A TCP port that was free on 127.0.0.1 a moment ago (the OS picks it)."""

@@ -13,7 +13,6 @@ mode still sees every prompt exactly once per level; its wall time is the sum of
 from __future__ import annotations
 
 import contextlib
-import socket
 import sys
 import tempfile
 from dataclasses import dataclass, field, replace
@@ -25,6 +24,7 @@ from specmesh.bench.datasets import Prompt
 from specmesh.bench.metrics import RequestRecord, aggregate
 from specmesh.bench.peers import PEER_MODES
 from specmesh.bench.runner import Client, RequestOptions
+from specmesh.netutil import free_ports
 
 
 @dataclass(frozen=True)
@@ -57,19 +57,6 @@ class Acc:
 
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def local_config(base_path: str | None, drafters: list[str], threads: int, out_dir: Path) -> Path:

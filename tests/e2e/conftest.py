@@ -19,6 +19,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from specmesh.netutil import free_ports  # noqa: F401 - also used by tests as conftest.free_ports
 
 REPO = Path(__file__).resolve().parents[2]
 SPECMESH = [sys.executable, "-m", "specmesh.cli"]
@@ -31,20 +32,6 @@ def model_cached() -> bool:
     from specmesh.engine.fetch import model_cache_dir
 
     return (model_cache_dir() / "model.safetensors").is_file()
-
-
-def free_ports(n: int) -> list[int]:
-    """n distinct TCP ports free on 127.0.0.1 a moment ago (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def port_open(address: str, timeout: float = 1.0) -> bool:
