@@ -11,7 +11,7 @@ import pytest
 from specmesh.cli import parser
 from specmesh.config import load_config
 from specmesh.deploy_cli import up_mesh_kwargs
-from specmesh.launcher import Child, Mesh, Scale, check_serving, plan_addresses
+from specmesh.launcher import Child, Mesh, Scale, check_serving, plan_addresses, port_free
 
 
 def cfg(**over):
@@ -33,8 +33,13 @@ def test_extra_replicas_take_consecutive_free_ports_after_the_highest():
         busy.bind(("127.0.0.1", 41005))
         busy.listen()
         addrs = plan_addresses(cfg(), Scale(target_workers=2, draft_workers=3, gateways=2))
-    extra = addrs["target_worker"][1:] + addrs["draft_worker"][1:] + addrs["gateway"][1:]
-    assert extra == ["127.0.0.1:41006", "127.0.0.1:41007", "127.0.0.1:41008", "127.0.0.1:41009"]
+        extra = [int(a.rsplit(":", 1)[1]) for a in
+                 addrs["target_worker"][1:] + addrs["draft_worker"][1:] + addrs["gateway"][1:]]
+        # ascending after the highest configured port (41004), 41005 skipped; any other port in
+        # between may only be skipped if something on this machine holds it right now
+        assert len(extra) == 4 and extra == sorted(set(extra)) and extra[0] > 41005
+        skipped = set(range(41006, extra[-1])) - set(extra)
+        assert all(not port_free("127.0.0.1", p) for p in skipped), skipped
     assert addrs["gateway"][0] == "127.0.0.1:41001"  # the first gateway keeps the public port
 
 
