@@ -4,7 +4,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
+
+# gRPC core's own INFO lines (e.g. every failed TLS handshake) are noise on a command line; the
+# command prints the status itself. Set before grpc is first imported; an explicit value wins.
+os.environ.setdefault("GRPC_VERBOSITY", "ERROR")
 
 from specmesh.auth.cli import add_client_arguments, call_metadata, client_channel
 from specmesh.auth.cli import add_commands as add_ops_commands

@@ -113,9 +113,12 @@ class PublicTlsConfig:
     cert_file: str | None = None  # PEM; with key_file: the public port speaks TLS
     key_file: str | None = None
     client_ca_file: str | None = None  # also require client certificates signed by this CA
+    ca_file: str | None = None  # the CA that signed cert_file, for our own probes (default: cert_file)
+    server_name: str | None = None  # the name our probes expect in cert_file (default: the address)
 
     def validate(self, key: str) -> None:
         _check((self.cert_file is None) == (self.key_file is None), key, "needs both cert_file and key_file")
+        _check(self.ca_file is None or self.cert_file is not None, f"{key}.ca_file", "needs cert_file and key_file")
         _check(self.client_ca_file is None or self.cert_file is not None, f"{key}.client_ca_file",
                "needs cert_file and key_file")
 

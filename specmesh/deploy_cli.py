@@ -34,9 +34,14 @@ def up_mesh_kwargs(args) -> dict:
 
 
 def _cmd_probe(args) -> int:
-    from specmesh.launcher import check_serving
+    from specmesh.health_probe import ProbeTls, check_serving, probe_tls_for
 
-    ok = check_serving(args.address, args.timeout, args.service)
+    tls = ProbeTls()
+    if args.role:
+        from specmesh.config import load_config
+
+        tls = probe_tls_for(load_config(args.config), args.role)
+    ok = check_serving(args.address, args.timeout, args.service, tls=tls)
     print(f"{args.address}: {'SERVING' if ok else 'NOT SERVING'}", file=sys.stdout if ok else sys.stderr)
     return 0 if ok else 1
 
@@ -77,6 +82,10 @@ def add_commands(sub) -> None:
     p.add_argument("--address", required=True, help="host:port")
     p.add_argument("--service", default="", help="health service name ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--role", choices=["gateway", "coordinator", "draft_worker", "target_worker"],
+                   help="probe over the TLS this service speaks per the config (tls.public / tls.mesh); "
+                        "default: plaintext")
+    p.add_argument("--config", help="mesh config YAML for --role (default $SPECMESH_CONFIG, then the shipped one)")
     p.set_defaults(fn=_cmd_probe)
 
     p = sub.add_parser("workers", help="list the workers registered in the registry (JSON)")

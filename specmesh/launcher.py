@@ -28,10 +28,10 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from specmesh.config import MeshConfig
+from specmesh.health_probe import ProbeTls, check_serving, probe_tls_for, wait_serving
+
+__all__ = ["Mesh", "Scale", "Child", "plan_addresses", "port_free", "check_serving", "wait_serving", "SERVICES"]
 
 SERVICES = (  # (name, module, config attribute holding `listen`) in dependency order
     ("target_worker", "target_worker.server", "target_worker"),
@@ -61,6 +61,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path | None
     service: str = ""
+    probe: ProbeTls = ProbeTls()  # how the launcher's health probe reaches it (TLS per the config)
 
 
 def port_free(host: str, port: int) -> bool:
@@ -94,29 +95,6 @@ def plan_addresses(cfg: MeshConfig, scale: Scale, free_ports: bool = False) -> d
             addrs.append(f"{host}:{next_port}")
         out[name] = addrs
     return out
-
-
-def check_serving(address: str, timeout_s: float = 1.0, service: str = "") -> bool:
-    """One grpc.health.v1 Check: True only for SERVING."""
-    with grpc.insecure_channel(address) as channel:
-        try:
-            resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                             timeout=timeout_s)
-            return resp.status == health_pb2.HealthCheckResponse.SERVING
-        except grpc.RpcError:
-            return False
-
-
-def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None) -> bool:
-    """Poll grpc.health.v1 until SERVING; False on timeout or if proc exits first."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc is not None and proc.poll() is not None:
-            return False
-        if check_serving(address):
-            return True
-        time.sleep(0.2)
-    return False
 
 
 class Mesh:
@@ -163,7 +141,7 @@ class Mesh:
                                 start_new_session=True)
         if out:
             out.close()
-        return Child(name, address, proc, log_path, service)
+        return Child(name, address, proc, log_path, service, probe_tls_for(self.cfg, service or name))
 
     def start(self, timeout_s: float = 300.0) -> None:
         if self.redis_url == "local":
@@ -190,7 +168,7 @@ class Mesh:
                 if child.proc.poll() is not None or time.monotonic() > deadline:
                     where = f" (see {child.log_path})" if child.log_path else ""
                     raise RuntimeError(f"{child.name} did not become SERVING on {child.address}{where}")
-                if check_serving(child.address):
+                if check_serving(child.address, tls=child.probe):
                     pending.remove(child)
                     print(f"specmesh: {child.name} serving on {child.address} (pid {child.proc.pid})",
                           file=sys.stderr)
@@ -231,19 +209,32 @@ class Mesh:
                 return f"no {service} left"
         return None
 
-    def stop(self, grace_s: float = 15.0) -> None:
+    def stop(self, grace_s: float | None = None) -> bool:
+        """SIGTERM every child (gateways first), wait for them to drain; True when all exited 0 in time.
+        A child still running after grace_s (default: the services' own shutdown.grace_s + 10 s for
+        their last round and exit) is killed and reported."""
+        grace_s = self.cfg.shutdown.grace_s + 10.0 if grace_s is None else grace_s
         for child in reversed(self.children):  # gateways first: stop taking new work
             if child.proc.poll() is None:
                 child.proc.send_signal(signal.SIGTERM)
         deadline = time.monotonic() + grace_s
+        clean = True
         for child in self.children:
             try:
                 child.proc.wait(max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
+                print(f"specmesh: {child.name} still running {grace_s:.0f}s after SIGTERM; killing it",
+                      file=sys.stderr)
                 child.proc.kill()
                 child.proc.wait()
+                clean = False
+                continue
+            if child.proc.returncode != 0 and child.name not in self._reported:
+                print(f"specmesh: {child.name} exited with {child.proc.returncode}", file=sys.stderr)
+                clean = False
         if self.local_redis is not None:
             self.local_redis.stop()
+        return clean
 
     def run_until_signal(self) -> int:
         got: list[int] = []
@@ -256,6 +247,5 @@ class Mesh:
                 self.stop()
                 return 1
             time.sleep(0.5)
-        print("specmesh: stopping", file=sys.stderr)
-        self.stop()
-        return 0
+        print("specmesh: stopping (in-flight requests finish first)", file=sys.stderr)
+        return 0 if self.stop() else 1

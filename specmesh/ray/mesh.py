@@ -56,6 +56,7 @@ class ServiceActor:
         env = dict(os.environ)  # includes CUDA_VISIBLE_DEVICES when Ray assigned GPUs
         env.update(spec.get("env") or {})
         env.update(extra_env or {})
+        self.env = env
         env.update(SPECMESH_REGISTRY__URL=spec["redis_url"], SPECMESH_REGISTRY__ADVERTISE_HOST=host)
         self.log_path = self.workdir / "service.log"
         with open(self.log_path, "ab") as out:
@@ -76,9 +77,13 @@ class ServiceActor:
                 "gpus": os.environ.get("CUDA_VISIBLE_DEVICES", "")}
 
     def wait_serving(self, timeout_s: float) -> bool:
-        from specmesh.launcher import wait_serving
+        from specmesh.config import load_config
+        from specmesh.health_probe import probe_tls_for, wait_serving
 
-        return wait_serving(self.address, timeout_s, self.proc)
+        config = self.workdir / "config.yaml"
+        cfg = load_config(str(config) if config.exists() else None, environ=self.env)
+        service = {"draft": "draft_worker", "target": "target_worker"}.get(self.tier, self.tier)
+        return wait_serving(self.address, timeout_s, self.proc, tls=probe_tls_for(cfg, service))
 
     def log_tail(self, chars: int = 3000) -> str:
         return self.log_path.read_text(errors="replace")[-chars:] if self.log_path.exists() else ""

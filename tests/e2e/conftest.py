@@ -199,6 +199,8 @@ class E2E:
     port_open = staticmethod(port_open)
     pid_alive = staticmethod(pid_alive)
     run_cli = staticmethod(run_cli)
+    start_up_mesh = staticmethod(start_up_mesh)
+    model_cached = staticmethod(model_cached)
 
 
 @pytest.fixture(scope="session")

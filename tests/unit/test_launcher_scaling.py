@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -111,3 +112,51 @@ def test_probe_command_reports_serving_only(capsys):
 
     assert main(["probe", "--address", f"127.0.0.1:{free_port()}", "--timeout", "0.5"]) == 1
     assert check_serving(f"127.0.0.1:{free_port()}", 0.3) is False
+
+
+def _sh_child(name, script):
+    return Child(name, "127.0.0.1:1", subprocess.Popen(["sh", "-c", script]), None, name)
+
+
+def test_stop_waits_the_services_grace_and_reports_a_clean_drain():
+    # a child that needs 2 s to drain after SIGTERM, with shutdown.grace_s 1: the launcher waits
+    # grace + its margin, so the drain completes and stop() is clean (the old fixed wait killed here
+    # whenever the services' grace exceeded it)
+    mesh = Mesh(cfg(shutdown={"grace_s": 1}), None, None, env={})
+    mesh.children = [_sh_child("gateway", "trap 'sleep 2; exit 0' TERM; while :; do sleep 0.1; done")]
+    time.sleep(0.3)  # the trap is installed
+    assert mesh.stop() is True
+    assert mesh.children[0].proc.returncode == 0
+
+
+def test_stop_kills_what_outlives_the_grace_and_says_so(capsys):
+    mesh = Mesh(cfg(), None, None, env={})
+    mesh.children = [_sh_child("gateway", "trap '' TERM; while :; do sleep 0.1; done"),
+                     _sh_child("coordinator", "trap 'exit 3' TERM; while :; do sleep 0.1; done")]
+    time.sleep(0.3)
+    t0 = time.monotonic()
+    assert mesh.stop(grace_s=1.0) is False
+    assert time.monotonic() - t0 < 5
+    err = capsys.readouterr().err
+    assert "gateway still running" in err and "coordinator exited with 3" in err
+
+
+def test_probe_tls_follows_the_config(tmp_path):
+    from specmesh.health_probe import probe_tls_for
+
+    files = {n: str(tmp_path / n) for n in ("pub.crt", "pub.key", "ca.crt", "m.crt", "m.key", "pubca.crt")}
+    plain = cfg()
+    assert not probe_tls_for(plain, "gateway").enabled and not probe_tls_for(plain, "coordinator").enabled
+    tls = cfg(tls={"public": {"cert_file": files["pub.crt"], "key_file": files["pub.key"]},
+                   "mesh": {"cert_file": files["m.crt"], "key_file": files["m.key"], "ca_file": files["ca.crt"],
+                            "server_name": "mesh.local"}})
+    gw = probe_tls_for(tls, "gateway")
+    assert (gw.root_file, gw.cert_file) == (files["pub.crt"], None)  # trusts its own cert, no client cert
+    tw = probe_tls_for(tls, "target_worker")
+    assert (tw.root_file, tw.cert_file, tw.key_file, tw.server_name) == (
+        files["ca.crt"], files["m.crt"], files["m.key"], "mesh.local")
+    mtls_pub = cfg(tls={"public": {"cert_file": files["pub.crt"], "key_file": files["pub.key"],
+                                   "ca_file": files["pubca.crt"], "client_ca_file": files["ca.crt"]},
+                        "mesh": {"cert_file": files["m.crt"], "key_file": files["m.key"], "ca_file": files["ca.crt"]}})
+    gw = probe_tls_for(mtls_pub, "gateway")
+    assert (gw.root_file, gw.cert_file) == (files["pubca.crt"], files["m.crt"])  # presents the mesh cert
