@@ -16,7 +16,7 @@ from torch import nn
 
 from specmesh.config import ConfigError, MeshConfig
 from specmesh.drafters.artifact import MANIFEST_NAME, load_drafter, verify_manifest
-from specmesh.engine.loader import check_model_dir, parse_dtype, resolve_model_dir
+from specmesh.engine.loader import check_model_dir, parse_dtype, resolve_device, resolve_model_dir
 from specmesh.errors import ModelIntegrityError
 
 log = logging.getLogger(__name__)
@@ -84,4 +84,4 @@ def load_block_model(cfg: MeshConfig, embed: nn.Module | None = None, head: nn.M
                           f"are {list(spec.feature_layers)} / {spec.feature_window}")
     if embed.weight.shape[0] != model.cfg.vocab_size:
         raise ConfigError(f"block drafter vocabulary {model.cfg.vocab_size} != the target's {embed.weight.shape[0]}")
-    return model
+    return model.to(resolve_device(cfg.model.device))  # with the shared embedding / head it holds

@@ -209,15 +209,17 @@ class BlockDrafter:
     # ------------------------------------------------------------------ model thread
     @torch.inference_mode()
     def _run_batch(self, kind: str, items: list[tuple[ProposeJob, FeatureWindow]]) -> list[DraftProposal]:
-        feats, valid = zip(*(w.padded() for _, w in items))  # each [C, F] bf16, [C] bool
-        last = torch.tensor([job.context[-1] for job, _ in items])  # [N]: x_T, the last context token
+        feats, valid = zip(*(w.padded() for _, w in items))  # each [C, F] bf16, [C] bool (host)
+        device = self.model.lm_head.weight.device
+        last = torch.tensor([job.context[-1] for job, _ in items], device=device)  # [N]: x_T, last context token
         # hidden: [N, B, H]; block position i >= 1 predicts x_{T+i}
-        hidden = self.model.hidden(self.model.block_ids(last), torch.stack(feats), torch.stack(valid))
+        hidden = self.model.hidden(self.model.block_ids(last), torch.stack(feats).to(device),
+                                   torch.stack(valid).to(device))
         head = self.model.lm_head
         out = []
         for b, (job, _) in enumerate(items):
             depth = min(job.k, self.max_k)
-            logits = head(hidden[b, 1: 1 + depth].to(head.weight.dtype)).float()  # [depth, V]
+            logits = head(hidden[b, 1: 1 + depth].to(head.weight.dtype)).float().cpu()  # [depth, V], host
             out.append(self._tree(job, logits) if job.tree_budget > 0 else self._chain(job, logits))
         return out
 

@@ -83,9 +83,11 @@ def build_drafters(cfg: MeshConfig) -> dict:
     if "draft_model" in wcfg.methods:
         dm = wcfg.draft_model
         if dm.name or dm.path:
-            _, model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest)
+            _, model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest,
+                                             cfg.model.device)
         else:  # no draft model configured: the target model drafts for itself
-            _, model = load_configured_model(cfg.model.name, cfg.model.path, dm.dtype, cfg.model.require_manifest)
+            _, model = load_configured_model(cfg.model.name, cfg.model.path, dm.dtype, cfg.model.require_manifest,
+                                             cfg.model.device)
         bp = cfg.backpressure.draft_worker
         drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences,
                                                max_queue=bp.max_inflight + bp.max_queue)

@@ -80,9 +80,12 @@ class ModelConfig:
     path: str | None = None  # or any local HF causal-LM directory (overrides name)
     dtype: str = "bfloat16"
     require_manifest: bool = True  # refuse to start without a verified MANIFEST.sha256 (named models)
+    device: str = "auto"  # auto (cuda when torch sees a GPU, else cpu) | cpu | cuda | cuda:N
 
     def validate(self, key: str) -> None:
         _check(self.dtype in ("bfloat16", "float16", "float32"), f"{key}.dtype", "bfloat16|float16|float32")
+        _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, f"{key}.device",
+               "auto | cpu | cuda | cuda:N")
         _check(bool(self.name) or bool(self.path), key, "needs a name or a path")
 
 

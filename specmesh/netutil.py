@@ -17,3 +17,8 @@ def free_ports(n: int, host: str = "127.0.0.1") -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """One TCP port free on host a moment ago (the OS picks it)."""
+    return free_ports(1, host)[0]

@@ -99,7 +99,7 @@ def main(argv=None) -> int:
         cfg = start_process("target_worker", args)
         wcfg = cfg.target_worker if not args.listen else dataclasses.replace(cfg.target_worker, listen=args.listen)
         model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
-                                                 cfg.model.require_manifest)
+                                                 cfg.model.require_manifest, cfg.model.device)
     except (ConfigError, ModelIntegrityError) as exc:
         print(f"target_worker: refusing to start: {exc}", file=sys.stderr)
         return 2

@@ -98,12 +98,13 @@ def main(args) -> int:
     if threads:
         torch.set_num_threads(threads)
     model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
-                                             cfg.model.require_manifest)
+                                             cfg.model.require_manifest, cfg.model.device)
     positions = [int(x) for x in args.micro_positions.split(",") if x]
     batches = [int(x) for x in args.micro_batch.split(",") if x]
     with tqdm(total=len(positions) * len(batches), file=sys.stderr, disable=args.no_progress) as bar:
         rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar)
     doc = {"command": command_line(), "model": str(model_dir), "dtype": cfg.model.dtype,
+           "device": str(next(model.parameters()).device),
            "context": args.micro_context, "results": rows, "machine": machine_info()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)

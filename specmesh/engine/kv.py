@@ -12,6 +12,10 @@ The default new_mask is causal (i <= j) and depth = j: plain chain verification.
 passes its ancestor mask and node depths instead. The same code serves prefill (L_b = 0, new =
 prompt), verification (new = [last token, drafts...]) and AR drafting (new = one token).
 The LM head runs in float32 on the final hidden states, for every path alike.
+
+Device: the caches live on the model's device (cpu or a GPU). Inputs and masks are built on the
+host and moved once per step; the per-sequence logits and hidden states come back on the host
+(sampling and the wire format are host-side), the new KV slots stay on the device.
 """
 
 from __future__ import annotations
@@ -28,12 +32,14 @@ class SequenceKV:
     keys[l], values[l]: [kv_heads, capacity, head_dim]; slots [0, length) are valid.
     """
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256):
+    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256,
+                 device: torch.device | str = "cpu"):
         self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
+        self.device = torch.device(device)
         self.length = 0
         shape = (kv_heads, capacity, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype) for _ in range(num_layers)]
+        self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
+        self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
     @property
     def capacity(self) -> int:
@@ -51,7 +57,7 @@ class SequenceKV:
         new_cap = max(needed, 2 * cap)
         for store in (self.keys, self.values):
             for i, buf in enumerate(store):
-                grown = torch.empty((self.kv_heads, new_cap, self.head_dim), dtype=self.dtype)
+                grown = torch.empty((self.kv_heads, new_cap, self.head_dim), dtype=self.dtype, device=self.device)
                 grown[:, : self.length] = buf[:, : self.length]
                 store[i] = grown
 
@@ -59,6 +65,7 @@ class SequenceKV:
         """Append new slots. new_keys[l]: [kv_heads, Q, head_dim]; keep: [n] slot indices into Q
         (e.g. the accepted path of a tree), default all Q in order."""
         if keep is not None:
+            keep = keep.to(self.device)
             new_keys = [k.index_select(1, keep) for k in new_keys]
             new_values = [v.index_select(1, keep) for v in new_values]
         n = new_keys[0].shape[1]
@@ -98,8 +105,8 @@ def new_sequence_kv(model: torch.nn.Module, capacity: int = 256) -> SequenceKV:
     cfg = model.config.get_text_config()
     head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
     kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    dtype = next(model.parameters()).dtype
-    return SequenceKV(cfg.num_hidden_layers, kv_heads, head_dim, dtype, capacity)
+    param = next(model.parameters())
+    return SequenceKV(cfg.num_hidden_layers, kv_heads, head_dim, param.dtype, capacity, param.device)
 
 
 def _padded_cache(kvs: list[SequenceKV]) -> tuple[DynamicCache, int]:
@@ -108,7 +115,7 @@ def _padded_cache(kvs: list[SequenceKV]) -> tuple[DynamicCache, int]:
     ref = kvs[0]
     layers = []
     for layer in range(ref.num_layers):
-        k = torch.zeros((len(kvs), ref.kv_heads, lmax, ref.head_dim), dtype=ref.dtype)
+        k = torch.zeros((len(kvs), ref.kv_heads, lmax, ref.head_dim), dtype=ref.dtype, device=ref.device)
         v = torch.zeros_like(k)
         for b, kv in enumerate(kvs):
             k[b, :, : kv.length] = kv.keys[layer][:, : kv.length]
@@ -160,9 +167,12 @@ def batched_step(
     if any(len(x) == 0 for x in inputs):
         raise ValueError("every sequence needs at least one new token")
     cache, lmax = _padded_cache(kvs)
-    ids, pos, mask = _batch_inputs(kvs, inputs, new_masks, depths)
+    ids, pos, mask = _batch_inputs(kvs, inputs, new_masks, depths)  # built on the host
     if bool(mask.all()):
         mask = None  # nothing to hide (one sequence, one new token): let SDPA take its unmasked kernel
+    device = kvs[0].device
+    ids, pos = ids.to(device), pos.to(device)
+    mask = mask.to(device) if mask is not None else None
     out = model.model(
         input_ids=ids,
         attention_mask=mask,
@@ -177,10 +187,10 @@ def batched_step(
     for b, toks in enumerate(inputs):
         n = len(toks)
         # logits = h W^T computed in float32 (LM head and softmax in fp32 on every path)
-        logits = final[b, :n].float() @ head.T
+        logits = (final[b, :n].float() @ head.T).cpu()  # [n, V], on the host (no-op on cpu)
         layers = cache.layers
         keys = [layers[i].keys[b, :, lmax : lmax + n] for i in range(len(layers))]
         values = [layers[i].values[b, :, lmax : lmax + n] for i in range(len(layers))]
-        hidden = tuple(out.hidden_states[i][b, :n] for i in hidden_layers) if hidden_layers else None
+        hidden = tuple(out.hidden_states[i][b, :n].cpu() for i in hidden_layers) if hidden_layers else None
         results.append(StepOutput(logits, keys, values, hidden))
     return results

@@ -37,6 +37,24 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+def resolve_device(spec: str | torch.device | None) -> torch.device:
+    """'auto' (cuda when torch sees a GPU, else cpu) | 'cpu' | 'cuda' | 'cuda:N' -> torch.device.
+    Asking for a GPU torch cannot see is a ModelIntegrityError (the worker refuses to start)."""
+    if spec is None or str(spec) == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelIntegrityError(f"device {spec!r} asked for, but this torch sees no CUDA GPU "
+                                      f"(torch {torch.__version__}, CUDA build: {torch.version.cuda is not None})")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ModelIntegrityError(f"device {spec!r} asked for, but only {torch.cuda.device_count()} GPU(s) "
+                                      "are visible (CUDA_VISIBLE_DEVICES)")
+    elif device.type != "cpu":
+        raise ModelIntegrityError(f"unsupported device {spec!r}; use auto, cpu, cuda or cuda:N")
+    return device
+
+
 def resolve_model_dir(name: str | None, path: str | None, home: Path | str | None = None) -> Path:
     """The model directory to load: `path` if given, else the cache dir of `name` under home.
 
@@ -81,11 +99,13 @@ def check_model_dir(dir: Path | str, require_manifest: bool, progress: bool = Fa
 
 
 def load_model(
-    dir: Path | str, dtype: str | torch.dtype = "bfloat16", device: str | torch.device | None = None
+    dir: Path | str, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
-    """AutoModelForCausalLM from a local dir: eval mode, no grads, SDPA attention."""
+    """AutoModelForCausalLM from a local dir: eval mode, no grads, SDPA attention, on `device`
+    (see resolve_device; the workers pass model.device, default auto)."""
     from transformers import AutoModelForCausalLM
 
+    device = resolve_device(device)  # before reading any weights: a missing GPU fails fast
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(dir),
@@ -97,8 +117,7 @@ def load_model(
         raise ModelIntegrityError(f"cannot load model from {dir}: {exc}") from exc
     model.eval()
     model.requires_grad_(False)
-    if device is not None:
-        model.to(device)
+    model.to(device)
     return model
 
 
@@ -112,11 +131,13 @@ def load_tokenizer(dir: Path | str):
         raise ModelIntegrityError(f"cannot load tokenizer from {dir}: {exc}") from exc
 
 
-def load_configured_model(name: str | None, path: str | None, dtype: str, require_manifest: bool):
+def load_configured_model(name: str | None, path: str | None, dtype: str, require_manifest: bool,
+                          device: str = "cpu"):
     """Resolve, integrity-check and load a model as a worker does at start; returns (dir, model).
 
     Named models must carry a verified MANIFEST.sha256 (when require_manifest); a user-supplied
     path is verified when it has one."""
+    device = resolve_device(device)  # a missing GPU is refused before anything is read
     model_dir = resolve_model_dir(name, path)
     check_model_dir(model_dir, require_manifest=require_manifest and path is None)
-    return model_dir, load_model(model_dir, dtype)
+    return model_dir, load_model(model_dir, dtype, device)

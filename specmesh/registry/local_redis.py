@@ -6,17 +6,12 @@ Nothing is persisted (no RDB, no AOF). Needs the `redis-server` binary (Debian: 
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import time
 
 import redis
 
-
-def free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
+from specmesh.netutil import free_port  # also imported from here by specmesh.ray
 
 
 class LocalRedis:

@@ -49,16 +49,19 @@ def _abort(context: grpc.ServicerContext, exc: BaseException):
     context.abort(grpc.StatusCode.INTERNAL, f"internal error: {type(exc).__name__}: {exc}")
 
 
+def _handle(context: grpc.ServicerContext, exc: Exception):
+    """A handler raised exc: answer it with its status, but let context.abort's own exception through."""
+    if not isinstance(exc, errors.SpecmeshError) and _is_abort(exc):
+        raise exc
+    _abort(context, exc)
+
+
 def _wrap_unary(fn):
     def handler(request, context):
         try:
             return fn(request, context)
-        except errors.SpecmeshError as exc:
-            _abort(context, exc)
         except Exception as exc:  # noqa: BLE001
-            if _is_abort(exc):
-                raise
-            _abort(context, exc)
+            _handle(context, exc)
 
     return handler
 
@@ -67,12 +70,8 @@ def _wrap_stream(fn):
     def handler(request, context):
         try:
             yield from fn(request, context)
-        except errors.SpecmeshError as exc:
-            _abort(context, exc)
         except Exception as exc:  # noqa: BLE001
-            if _is_abort(exc):
-                raise
-            _abort(context, exc)
+            _handle(context, exc)
 
     return handler
 

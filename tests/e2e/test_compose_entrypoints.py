@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -23,6 +22,7 @@ import grpc
 import pytest
 import yaml
 
+from specmesh.netutil import free_ports
 from specmesh.registry import Registry
 from specmesh.registry.local_redis import LocalRedis
 from specmesh.v1 import specmesh_pb2 as pb
@@ -34,17 +34,6 @@ pytestmark = [pytest.mark.e2e,
 REPO = Path(__file__).resolve().parents[2]
 ORDER = ("target-worker", "draft-worker", "coordinator", "gateway")
 TEST_ONLY_ENV = {"SPECMESH_RUNTIME__TORCH_THREADS": "1", "SPECMESH_MODEL__DTYPE": "float32"}
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    try:
-        for s in socks:
-            s.bind(("127.0.0.1", 0))
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def _model_cached() -> bool:
@@ -73,7 +62,7 @@ def compose_stack(tmp_path_factory):
         pytest.skip("default model not cached (run `specmesh fetch-model`)")
     services = yaml.safe_load((REPO / "compose" / "docker-compose.yml").read_text())["services"]
     logs = tmp_path_factory.mktemp("compose_entrypoints")
-    ports = dict(zip(ORDER + ("otel-collector",), _free_ports(len(ORDER) + 1)))
+    ports = dict(zip(ORDER + ("otel-collector",), free_ports(len(ORDER) + 1)))
     procs: dict[str, subprocess.Popen] = {}
     with LocalRedis() as redis_server:
         hosts = {"redis:6379": f"127.0.0.1:{redis_server.port}",

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import shutil
-import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -18,6 +17,7 @@ import yaml
 
 ray = pytest.importorskip("ray", reason="Ray is not installed: pip install -e '.[ray]' (make setup installs it)")
 
+from specmesh.netutil import free_port  # noqa: E402
 from specmesh.registry import Registry  # noqa: E402
 from specmesh.registry.local_redis import LocalRedis  # noqa: E402
 from specmesh.v1 import specmesh_pb2 as pb  # noqa: E402
@@ -29,12 +29,6 @@ pytestmark = [pytest.mark.e2e,
 TRACEPARENT = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
 PROMPTS = ["Count from 1 to 12, separated by commas.", "Name three colours.", "Spell the word banana.",
            "List the days of the week."]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _model_cached() -> bool:
@@ -50,7 +44,7 @@ def ray_mesh():
     from specmesh.ray import mesh
     from specmesh.ray.env import actor_env
 
-    gw, co = _free_port(), _free_port()
+    gw, co = free_port(), free_port()
     config = {"model": {"dtype": "float32"}, "runtime": {"torch_threads": 1, "log_level": "WARNING"},
               "gateway": {"listen": f"127.0.0.1:{gw}", "coordinator": f"127.0.0.1:{co}"},
               "coordinator": {"listen": f"127.0.0.1:{co}"},

@@ -13,7 +13,6 @@ import os
 import re
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import threading
@@ -25,6 +24,7 @@ import grpc
 import pytest
 import yaml
 
+from specmesh.netutil import free_port
 from specmesh.registry import Registry
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
@@ -38,12 +38,6 @@ PROMPTS = [f"Count from {i} to {i + 12}, separated by commas." for i in range(8)
           [f"Write the word {w} three times." for w in ("red", "blue", "green", "cat", "dog", "sun", "tea", "box")]
 MAX_TOKENS = 16
 REGISTRY = {"heartbeat_interval_s": 0.5, "ttl_s": 3.0, "poll_interval_s": 0.3}
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _clean_env() -> dict:
@@ -60,7 +54,7 @@ def _request(prompt: str) -> pb.GenerateRequest:
 
 class Up:
     def __init__(self, tmp: Path):
-        ports = {s: f"127.0.0.1:{_free_port()}" for s in ("gateway", "coordinator", "draft_worker", "target_worker")}
+        ports = {s: f"127.0.0.1:{free_port()}" for s in ("gateway", "coordinator", "draft_worker", "target_worker")}
         self.config = {
             "model": {"dtype": "float32"}, "runtime": {"torch_threads": 1, "log_level": "INFO"},
             "gateway": {"listen": ports["gateway"], "coordinator": ports["coordinator"]},

@@ -6,7 +6,6 @@ service wired the way the entry points wire it."""
 from __future__ import annotations
 
 import shutil
-import socket
 import subprocess
 import threading
 import time
@@ -16,14 +15,9 @@ import grpc
 import pytest
 
 from prod_pki import Pki, make_pki  # noqa: F401  (re-exported for the TLS tests)
+from specmesh.netutil import free_port  # also imported from here by the e2e tests
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 # ---------------------------------------------------------------------------- redis

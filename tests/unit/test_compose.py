@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from specmesh.config import load_config
 from specmesh.envvars import ENV_VARS, known
 
 REPO = Path(__file__).resolve().parents[2]
@@ -163,5 +164,7 @@ def test_gpu_override_puts_the_worker_tiers_on_different_gpus(gpu, stack):
         assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
         ids[name] = device["device_ids"]
         assert gpu["services"][name]["build"]["args"]["TORCH_INDEX_URL"].startswith("https://")
+        device_env = gpu["services"][name]["environment"]["SPECMESH_MODEL__DEVICE"]
+        assert load_config(environ={"SPECMESH_MODEL__DEVICE": device_env}).model.device == "cuda"
     assert ids["target-worker"] != ids["draft-worker"]
     assert set(gpu["services"]) == {"target-worker", "draft-worker"}
