@@ -111,7 +111,27 @@ def build(args, embed, lm_head, norm_weight: torch.Tensor | None):
     if ckpt.exists() and not args.no_resume:
         step, extra = load_checkpoint(ckpt, drafter, opt, gen)
         print(f"[train] resumed from {ckpt} at step {step}", flush=True)
+    elif args.init_from:
+        init_from_artefact(drafter, Path(args.init_from))
+        extra["init_from"] = str(args.init_from)
     return drafter, opt, gen, step, extra
+
+
+def init_from_artefact(drafter: BlockDrafter, directory: Path) -> None:
+    """Warm start: the drafter's own weights from an exported artefact (same config), fresh
+    optimizer and schedule. The bf16 weights become the fp32 master copy."""
+    from safetensors.torch import load_file
+
+    from specmesh.drafters.artifact import CONFIG_NAME, WEIGHTS_NAME, verify_manifest
+
+    verify_manifest(directory)
+    theirs = json.loads((directory / CONFIG_NAME).read_text())
+    mine = json.loads(drafter.cfg.to_json())
+    if theirs != mine:
+        diff = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+        raise ValueError(f"--init-from {directory}: config differs in {diff}")
+    drafter.load_state_dict({k: v.float() for k, v in load_file(str(directory / WEIGHTS_NAME)).items()})
+    print(f"[train] initialised from {directory}", flush=True)
 
 
 def checkpoint_and_export(args, drafter, opt, step, gen, extra) -> None:
@@ -176,6 +196,7 @@ def add_train_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--ckpt-dir", default=".cache/train/ckpt/block")
     a("--export-dir", default="artifacts/drafters/smollm2-135m-instruct-block")
     a("--no-resume", action="store_true")
+    a("--init-from", default=None, help="warm start from this exported artefact (when no checkpoint resumes)")
     a("--max-shards", type=int, default=None)
     a("--target-layers", type=int, nargs="+", default=list(DEFAULT_TARGET_LAYERS))
     a("--num-layers", type=int, default=2)

@@ -99,3 +99,20 @@ def test_position_weights_decay():
     w = position_weights(5, 2.0)
     assert w.shape == (4,) and w[0] == 1.0
     assert torch.allclose(w[1] / w[0], torch.exp(torch.tensor(-0.5)))
+
+
+def test_init_from_an_artefact_starts_where_it_left_off(tmp_path):
+    import pytest
+
+    data = write_slice(tmp_path / "data")
+    embed, head = shared()
+    train_drafter(tiny_args(tmp_path, data, "first", stop_at_step=30), embed, head, None)
+    art = tmp_path / "first" / "art"
+    warm, _, _, step, extra = build(tiny_args(tmp_path, data, "warm", init_from=art), embed, head, None)
+    cold, *_ = build(tiny_args(tmp_path, data, "cold"), embed, head, None)
+    assert step == 0 and extra["init_from"] == str(art)  # fresh schedule, weights from the artefact
+    batch = fixed_batch(data, warm.cfg)
+    w = position_weights(warm.cfg.block_size, 4.0)
+    assert block_loss(warm, batch, w)[0].item() < 0.7 * block_loss(cold, batch, w)[0].item()
+    with pytest.raises(ValueError, match="config differs"):
+        build(tiny_args(tmp_path, data, "other", init_from=art, block_size=5), embed, head, None)
