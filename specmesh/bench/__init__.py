@@ -30,8 +30,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (request i gets seed+i), dataset sampling")
     p.add_argument("--k", type=int, help="speculative tokens per round (default: the config's)")
-    p.add_argument("--drafters", default="ngram", help="drafters to benchmark, comma-separated "
-                                                       "(ngram, draft_model)")
+    p.add_argument("--drafters", default="ngram", help="drafters to benchmark, comma-separated (ngram, "
+                                                       "draft_model, block); per-drafter options: "
+                                                       "block:tree=16, ngram:k=8, block:k=4")
     p.add_argument("--compare", action="store_true", help="also speculation off (AR) through the mesh and "
                                                           "the HF peers (generate, prompt lookup) at batch 1")
     p.add_argument("--no-peers", action="store_true", help="with --compare: skip the in-process HF peers")

@@ -30,6 +30,7 @@ class RequestOptions:
     method: str = ""  # "" = the mesh's default drafter; "off" = AR; else a drafter name
     k: int | None = None  # speculative tokens per round (None = the mesh's default)
     timeout_s: float = 600.0
+    tree_budget: int | None = None  # block drafter: draft-tree nodes per round (0 = chain, None = default)
 
 
 def build_request(prompt: Prompt, index: int, opts: RequestOptions) -> pb.GenerateRequest:
@@ -45,6 +46,8 @@ def build_request(prompt: Prompt, index: int, opts: RequestOptions) -> pb.Genera
         req.speculation.method = opts.method
     if opts.k is not None:
         req.speculation.num_speculative_tokens = opts.k
+    if opts.tree_budget is not None:
+        req.speculation.tree_budget = opts.tree_budget
     return req
 
 

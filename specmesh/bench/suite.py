@@ -1,6 +1,8 @@
 """`specmesh bench`: the whole benchmark — stack, schedule, runs, comparisons, report.
 
-Modes: "spec" (one run per drafter in --drafters), and with --compare also "ar" (method "off"
+Modes: "spec" (one run per drafter in --drafters; a drafter may carry per-request options:
+"block:tree=16" drafts a 16-node tree, "block:k=4" or "ngram:k=8" sets k, "block:tree=0" a chain),
+and with --compare also "ar" (method "off"
 through the same mesh) and the in-process peers "hf_generate" / "hf_prompt_lookup" (batch 1,
 so only at concurrency 1).
 
@@ -39,6 +41,18 @@ class Mode:
     @property
     def label(self) -> str:
         return f"{self.mode}/{self.drafter}" if self.drafter else self.mode
+
+
+def parse_drafter(spec: str) -> tuple[str, int | None, int | None]:
+    """'NAME[:k=N][:tree=N]' -> (method, k or None, tree budget or None)."""
+    name, *opts = spec.split(":")
+    k = tree = None
+    for opt in opts:
+        key, _, value = opt.partition("=")
+        if key not in ("k", "tree") or not value.isdigit():
+            raise ValueError(f"--drafters {spec!r}: options are k=N and tree=N")
+        k, tree = (int(value), tree) if key == "k" else (k, int(value))
+    return name, k, tree
 
 
 @dataclass(frozen=True)
@@ -102,6 +116,8 @@ def mesh_target(args, drafters: list[str]):
 
 def plan(args) -> tuple[list[Mode], list[Level]]:
     drafters = [d for d in args.drafters.split(",") if d]
+    for d in drafters:
+        parse_drafter(d)  # a bad option fails before anything starts
     modes = [Mode("spec", d) for d in drafters]
     if args.compare:
         modes.append(Mode("ar"))
@@ -133,9 +149,13 @@ def schedule(modes: list[Mode], levels: list[Level], prompts: list[Prompt]):
 
 
 def request_options(args, mode: Mode, k: int) -> RequestOptions:
-    method = "off" if mode.mode == "ar" else (mode.drafter or "")
+    method, own_k, tree = parse_drafter(mode.drafter) if mode.drafter else ("", None, None)
+    if mode.mode == "ar":
+        return RequestOptions(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
+                              method="off", timeout_s=args.timeout)
     return RequestOptions(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                          method=method, k=None if mode.mode == "ar" else k, timeout_s=args.timeout)
+                          method=method, k=own_k if own_k is not None else k, timeout_s=args.timeout,
+                          tree_budget=tree)
 
 
 class Executor:
@@ -179,7 +199,7 @@ def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt],
     k = args.k
     steps = list(schedule(modes, levels, prompts))
     peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads) if any(m.is_peer for m in modes) else None
-    drafters = sorted({m.drafter for m in modes if m.drafter})
+    drafters = sorted({parse_drafter(m.drafter)[0] for m in modes if m.drafter})
     results: dict = {}
     with mesh_target(args, drafters) as target:
         client = Client(target)

@@ -1,0 +1,42 @@
+"""`specmesh bench --drafters` with per-drafter options: what each run asks of the mesh."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.bench.runner import build_request
+from specmesh.bench.datasets import Prompt
+from specmesh.bench.suite import Mode, parse_drafter, plan, request_options
+from specmesh.cli import parser
+
+
+def bench_args(*argv):
+    return parser().parse_args(["bench", *argv])
+
+
+def test_parse_drafter_options():
+    assert parse_drafter("ngram") == ("ngram", None, None)
+    assert parse_drafter("block:tree=16") == ("block", None, 16)
+    assert parse_drafter("block:k=4:tree=0") == ("block", 4, 0)
+    for bad in ("block:tree", "block:tree=x", "block:depth=3"):
+        with pytest.raises(ValueError, match="options are"):
+            parse_drafter(bad)
+
+
+def test_each_variant_is_its_own_mode_and_request():
+    args = bench_args("--drafters", "ngram,block:tree=8,block:k=3", "--compare", "--no-peers", "--k", "5")
+    modes, _ = plan(args)
+    assert [m.label for m in modes] == ["spec/ngram", "spec/block:tree=8", "spec/block:k=3", "ar"]
+    prompt = Prompt(prompt_id="p0", prompt="hi", messages=None, category="writing")
+    reqs = {m.label: build_request(prompt, 0, request_options(args, m, args.k)) for m in modes}
+    tree = reqs["spec/block:tree=8"].speculation
+    assert (tree.method, tree.num_speculative_tokens, tree.tree_budget) == ("block", 5, 8)
+    chain = reqs["spec/block:k=3"].speculation
+    assert (chain.method, chain.num_speculative_tokens, chain.HasField("tree_budget")) == ("block", 3, False)
+    assert reqs["ar"].speculation.method == "off"
+    with pytest.raises(ValueError):
+        plan(bench_args("--drafters", "block:tree=big"))
+
+
+def test_mode_label_keeps_the_options():
+    assert Mode("spec", "block:tree=32").label == "spec/block:tree=32"
