@@ -59,6 +59,36 @@ class NgramDrafter:
         pass
 
 
+class SequenceLru:
+    """Per-sequence drafter state keyed by seq_id, least recently stored evicted past max_items.
+    take() removes the entry (the model thread owns it while drafting); put() stores it back."""
+
+    def __init__(self, max_items: int):
+        self._items: OrderedDict = OrderedDict()
+        self._max = max_items
+        self._lock = threading.Lock()
+
+    def take(self, seq_id: str):
+        with self._lock:
+            return self._items.pop(seq_id, None)
+
+    def put(self, seq_id: str, item) -> None:
+        with self._lock:
+            self._items[seq_id] = item
+            while len(self._items) > self._max:
+                self._items.popitem(last=False)
+
+    def __getitem__(self, seq_id: str):  # a look without taking (tests, introspection)
+        with self._lock:
+            return self._items[seq_id]
+
+    def __contains__(self, seq_id: str) -> bool:
+        return seq_id in self._items
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 @dataclass
 class _Cached:
     kv: SequenceKV
@@ -78,9 +108,7 @@ class ModelDrafter:
     def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024):
         self.model = model
         self.vocab_size = model.config.get_text_config().vocab_size
-        self._cache: OrderedDict[str, _Cached] = OrderedDict()
-        self._cache_max = cache_max_sequences
-        self._lock = threading.Lock()
+        self._cache = SequenceLru(cache_max_sequences)  # seq_id -> _Cached
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="draft-batcher")
 
     def propose(self, job: ProposeJob, timeout: float | None = None) -> DraftProposal:
@@ -89,8 +117,7 @@ class ModelDrafter:
         return self.batcher.submit("propose", job).result(timeout)
 
     def release(self, seq_id: str) -> None:
-        with self._lock:
-            self._cache.pop(seq_id, None)
+        self._cache.take(seq_id)
 
     def cached_sequences(self) -> int:
         return len(self._cache)
@@ -102,8 +129,7 @@ class ModelDrafter:
     def _take_cache(self, job: ProposeJob) -> tuple[_Cached, list[int]]:
         """The sequence's cache cut to the longest prefix shared with the context, and the
         context tokens still to forward (at least one, so its logits exist)."""
-        with self._lock:
-            entry = self._cache.pop(job.seq_id, None)
+        entry = self._cache.take(job.seq_id)
         if entry is None:
             entry = _Cached(new_sequence_kv(self.model, capacity=len(job.context) + 64), [])
         shared = 0
@@ -113,12 +139,6 @@ class ModelDrafter:
         entry.kv.truncate(shared)
         entry.tokens = entry.tokens[:shared]
         return entry, job.context[shared:]
-
-    def _store(self, seq_id: str, entry: _Cached) -> None:
-        with self._lock:
-            self._cache[seq_id] = entry
-            while len(self._cache) > self._cache_max:
-                self._cache.popitem(last=False)
 
     def _run_batch(self, kind: str, jobs: list[ProposeJob]) -> list[DraftProposal]:
         entries, pending = zip(*(self._take_cache(j) for j in jobs))
@@ -141,7 +161,7 @@ class ModelDrafter:
             active = [b for b in active if len(drafts[b]) < jobs[b].k]
         results = []
         for b, job in enumerate(jobs):
-            self._store(job.seq_id, entries[b])
+            self._cache.put(job.seq_id, entries[b])
             # greedy drafts are a point mass: no distribution to send
             p = None if job.params.greedy else torch.stack(probs[b])  # [k, V]
             results.append(DraftProposal(drafts[b], p))
@@ -162,9 +182,7 @@ class BlockDrafter:
         cfg = model.cfg
         self.window, self.max_k, self.vocab_size = cfg.context_window, cfg.block_size - 1, cfg.vocab_size
         self.feature_size = cfg.feature_size
-        self._cache: OrderedDict[str, FeatureWindow] = OrderedDict()
-        self._cache_max = cache_max_sequences
-        self._lock = threading.Lock()
+        self._cache = SequenceLru(cache_max_sequences)  # seq_id -> FeatureWindow
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="block-batcher")
 
     def propose(self, job: ProposeJob, timeout: float | None = None) -> DraftProposal:
@@ -176,8 +194,7 @@ class BlockDrafter:
         return self.batcher.submit("propose", (job, window)).result(timeout)
 
     def release(self, seq_id: str) -> None:
-        with self._lock:
-            self._cache.pop(seq_id, None)
+        self._cache.take(seq_id)
 
     def cached_sequences(self) -> int:
         return len(self._cache)
@@ -192,18 +209,14 @@ class BlockDrafter:
         if rows is not None and (rows.dim() != 2 or rows.shape[1] != self.feature_size or rows.shape[0] > end):
             raise InvalidArgument("features", f"must be [rows <= {end}, {self.feature_size}], "
                                               f"got {tuple(rows.shape)}")
-        with self._lock:
-            win = self._cache.pop(job.seq_id, None)
+        win = self._cache.take(job.seq_id)
         if rows is not None and job.features_complete:  # the sender's whole window: replace
             win = FeatureWindow(self.window, rows, end)
         elif rows is not None and (win is None or not win.extend(rows, end)):  # a delta with nothing to extend
             win = None
         if win is None or win.end != end or len(win) == 0:
             return None
-        with self._lock:
-            self._cache[job.seq_id] = win
-            while len(self._cache) > self._cache_max:
-                self._cache.popitem(last=False)
+        self._cache.put(job.seq_id, win)
         return win
 
     # ------------------------------------------------------------------ model thread
