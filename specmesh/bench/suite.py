@@ -251,7 +251,7 @@ def check_plan(modes: list[Mode], levels: list[Level]) -> str | None:
     """A usage error, or None."""
     from specmesh.config import DRAFTERS
 
-    unknown = [m.drafter for m in modes if m.drafter and m.drafter not in DRAFTERS]
+    unknown = [m.drafter for m in modes if m.drafter and parse_drafter(m.drafter)[0] not in DRAFTERS]
     if unknown:
         return f"unknown drafter(s) {', '.join(unknown)} (known: {', '.join(DRAFTERS)})"
     if not levels or any(lv.concurrency < 1 or (lv.request_rate is not None and lv.request_rate <= 0)

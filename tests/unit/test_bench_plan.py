@@ -6,7 +6,7 @@ import pytest
 
 from specmesh.bench.runner import build_request
 from specmesh.bench.datasets import Prompt
-from specmesh.bench.suite import Mode, parse_drafter, plan, request_options
+from specmesh.bench.suite import Mode, check_plan, parse_drafter, plan, request_options
 from specmesh.cli import parser
 
 
@@ -40,3 +40,10 @@ def test_each_variant_is_its_own_mode_and_request():
 
 def test_mode_label_keeps_the_options():
     assert Mode("spec", "block:tree=32").label == "spec/block:tree=32"
+
+
+def test_check_plan_knows_drafters_by_their_method():
+    modes, levels = plan(bench_args("--drafters", "block:tree=4,ngram:k=2"))
+    assert check_plan(modes, levels) is None
+    modes, levels = plan(bench_args("--drafters", "eagle:tree=4"))
+    assert "unknown drafter(s) eagle:tree=4" in check_plan(modes, levels)
