@@ -12,13 +12,12 @@ from __future__ import annotations
 import dataclasses
 import os
 import re
-import types
-import typing
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import yaml
 
+from specmesh.config_load import ConfigError, _build, _check, _merge, _set_path, parse_yaml
 from specmesh.config_ops import (  # noqa: E402  (sections of the production gateway / observability)
     AdmissionConfig,
     AuthConfig,
@@ -41,31 +40,6 @@ METHODS = ("off",) + DRAFTERS
 FEATURE_DRAFTERS = ("block",)  # drafters that read the target's hidden-state features
 VERIFY_MODES = ("chain", "tree")
 MAX_TREE_BUDGET = 64  # draft-tree nodes per round, at most
-
-
-class _Yaml12BoolLoader(yaml.SafeLoader):
-    """YAML with only true/false as booleans, so `method: off` stays the string "off"."""
-
-
-_Yaml12BoolLoader.yaml_implicit_resolvers = {
-    ch: [(tag, rx) for tag, rx in resolvers if tag != "tag:yaml.org,2002:bool"]
-    for ch, resolvers in yaml.SafeLoader.yaml_implicit_resolvers.items()
-}
-_Yaml12BoolLoader.add_implicit_resolver(
-    "tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"), list("tTfF"))
-
-
-def parse_yaml(text: str):
-    return yaml.load(text, Loader=_Yaml12BoolLoader)  # noqa: S506 - a SafeLoader subclass
-
-
-class ConfigError(ValueError):
-    """A configuration value is missing, unknown or out of range."""
-
-
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        raise ConfigError(f"{key}: {message}")
 
 
 def _check_address(value: str, key: str) -> None:
@@ -297,58 +271,6 @@ class MeshConfig:
         return dataclasses.replace(self, **sections)
 
 
-def _coerce(tp, value, key: str):
-    """Convert a YAML value to the annotated type tp (dataclass, tuple, optional, scalar)."""
-    origin = typing.get_origin(tp)
-    if dataclasses.is_dataclass(tp):
-        return _build(tp, value, key)
-    if origin in (types.UnionType, typing.Union):
-        if value is None:
-            _check(type(None) in typing.get_args(tp), key, "may not be null")
-            return None
-        inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(inner[0], value, key)
-    if origin is tuple:
-        if isinstance(value, str):
-            value = [v.strip() for v in value.split(",") if v.strip()]
-        _check(isinstance(value, (list, tuple)), key, "must be a list")
-        return tuple(_coerce(typing.get_args(tp)[0], v, f"{key}[{i}]") for i, v in enumerate(value))
-    if tp is float:
-        _check(isinstance(value, (int, float)) and not isinstance(value, bool), key, "must be a number")
-        return float(value)
-    if tp is int:
-        _check(isinstance(value, int) and not isinstance(value, bool), key, "must be an integer")
-        return value
-    if tp is bool:
-        _check(isinstance(value, bool), key, "must be true or false")
-        return value
-    if tp is str:
-        _check(isinstance(value, (str, int, float)) and not isinstance(value, bool), key, "must be a string")
-        return str(value)
-    raise ConfigError(f"{key}: unsupported type {tp}")
-
-
-def _build(cls, data, key: str):
-    if data is None:
-        data = {}
-    _check(isinstance(data, dict), key or "config", "must be a mapping")
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    _check(not unknown, key or "config", f"unknown key(s) {', '.join(map(str, unknown))}")
-    kwargs = {n: _coerce(hints[n], v, f"{key}.{n}" if key else n) for n, v in data.items()}
-    return cls(**kwargs)
-
-
-def _set_path(data: dict, path: list[str], value) -> None:
-    for part in path[:-1]:
-        node = data.get(part)
-        if not isinstance(node, dict):
-            node = data[part] = {}
-        data = node
-    data[path[-1]] = value
-
-
 def env_overrides(environ=None) -> dict:
     """SPECMESH_A__B=v -> {"a": {"b": parsed v}} for the sections MeshConfig knows."""
     environ = os.environ if environ is None else environ
@@ -366,13 +288,6 @@ def env_overrides(environ=None) -> dict:
             raise ConfigError(f"{name}: not parseable ({exc})") from exc
         _set_path(out, path, value)
     return out
-
-
-def _merge(base: dict, over: dict) -> dict:
-    merged = dict(base)
-    for k, v in over.items():
-        merged[k] = _merge(merged[k], v) if isinstance(v, dict) and isinstance(merged.get(k), dict) else v
-    return merged
 
 
 def load_config(path: str | os.PathLike | None = None, environ=None, overrides: dict | None = None) -> MeshConfig:

@@ -8,11 +8,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 
-def _check(ok: bool, key: str, message: str) -> None:
-    if not ok:
-        from specmesh.config import ConfigError  # late: specmesh.config imports this module
-
-        raise ConfigError(f"{key}: {message}")
+from specmesh.config_load import _check  # noqa: F401  (the sections below validate with it)
 
 
 def auth_env_override(environ) -> dict:
