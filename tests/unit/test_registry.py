@@ -131,12 +131,14 @@ class FakeService:
 
 
 def test_lifecycle_registers_drains_and_deregisters(registry):
-    rcfg = RegistryConfig(url=registry.url, namespace=registry.namespace, heartbeat_interval_s=0.1, ttl_s=2.0,
+    # generous TTL / drain timeout / waits: on a loaded 2-core box a heartbeat or the drain thread can
+    # stall for seconds (the record expiring, or the drain giving up, made this test flaky)
+    rcfg = RegistryConfig(url=registry.url, namespace=registry.namespace, heartbeat_interval_s=0.1, ttl_s=15.0,
                           poll_interval_s=0.1)
     state = {"busy": True, "drained": False}
     life = WorkerLifecycle(rcfg, "target", capacity={"max_sequences": 4, "max_tokens": 99},
                            load_fn=lambda: {"live_sequences": 1}, begin_drain=lambda: state.update(drained=True),
-                           is_idle=lambda: not state["busy"], drain_timeout_s=5.0).attach(FakeService())
+                           is_idle=lambda: not state["busy"], drain_timeout_s=60.0).attach(FakeService())
     assert life.address == "127.0.0.1:5555"
     (record,) = registry.list("target")
     assert record.capacity["max_sequences"] == 4 and not record.draining
@@ -144,10 +146,10 @@ def test_lifecycle_registers_drains_and_deregisters(registry):
 
     t = threading.Thread(target=life.drain)
     t.start()
-    assert wait_for(lambda: registry.list("target") and registry.list("target")[0].draining)
+    assert wait_for(lambda: registry.list("target") and registry.list("target")[0].draining, timeout=30)
     assert state["drained"] and t.is_alive()  # waits for the live sequence
     state["busy"] = False
-    t.join(5)
+    t.join(30)
     assert not t.is_alive() and registry.list("target") == []
 
 
