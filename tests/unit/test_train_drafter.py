@@ -116,3 +116,29 @@ def test_init_from_an_artefact_starts_where_it_left_off(tmp_path):
     assert block_loss(warm, batch, w)[0].item() < 0.7 * block_loss(cold, batch, w)[0].item()
     with pytest.raises(ValueError, match="config differs"):
         build(tiny_args(tmp_path, data, "other", init_from=art, block_size=5), embed, head, None)
+
+
+def test_teacher_labels_are_the_targets_next_tokens(tmp_path):
+    """features_and_labels on a tiny causal LM: labels[j] = argmax p(. | s_<j) past feat_start,
+    and make_batch trains on labels (not the text) when a shard carries them."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specmesh.training.corpus import Corpus
+    from specmesh.training.teacher import features_and_labels
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=V, hidden_size=H, intermediate_size=64, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2)).eval()
+    seqs = [list(range(3, 23)), list(range(10, 22))]
+    (f0, l0), (f1, l1) = features_and_labels(model, seqs, [0, 1], starts=[4, 0])
+    assert f0.shape == (16, 2 * H) and f1.shape == (12, 2 * H) and f0.dtype == torch.bfloat16
+    with torch.no_grad():
+        greedy = model(torch.tensor([seqs[0]])).logits[0].argmax(-1)  # [20]: prediction of token j+1
+    assert l0[:5].tolist() == seqs[0][:5]  # up to feat_start: the text itself
+    assert l0[5:].tolist() == greedy[4:19].tolist()
+    corpus = Corpus()
+    corpus.add({"tokens": [torch.tensor(seqs[0])], "prompt_len": [6], "feat_start": [4], "features": [f0],
+                "meta": [{}], "labels": [l0]})
+    batch = make_batch(corpus, [(0, 8)], block_size=4, window=3, mask_token_id=0)
+    assert batch["targets"][0].tolist() == l0[9:12].tolist()
+    assert batch["block_ids"][0].tolist() == [seqs[0][8], 0, 0, 0]
