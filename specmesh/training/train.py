@@ -30,9 +30,10 @@ from tqdm import tqdm
 
 from specmesh.drafters.artifact import export_drafter
 from specmesh.drafters.block import BlockDrafter, BlockDrafterConfig
+from specmesh.training.args import add_eval_args, add_train_args
 from specmesh.training.corpus import AnchorSampler, load_corpus, make_batch
-from specmesh.training.data import DEFAULT_TARGET_LAYERS, resolve_target_dir
-from specmesh.training.evaluate import add_eval_args, eval_drafter, load_shared_target
+from specmesh.training.data import resolve_target_dir
+from specmesh.training.evaluate import eval_drafter, load_shared_target
 
 __all__ = ["train_drafter", "eval_drafter", "add_train_args", "add_eval_args", "main"]
 
@@ -187,43 +188,6 @@ def train_drafter(args, embed=None, lm_head=None, norm_weight=None) -> dict:
     checkpoint_and_export(args, drafter, opt, step, gen, extra)
     print(f"[train] stopped at step {step}: {extra}", flush=True)
     return {"step": step, **extra}
-
-
-def add_train_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
-    a = ap.add_argument
-    a("--target-dir", default=None, help="converted target model dir (default: official cache)")
-    a("--data", default=".cache/train/data", help="dir with train/ shards from specmesh.training.data")
-    a("--ckpt-dir", default=".cache/train/ckpt/block")
-    a("--export-dir", default="artifacts/drafters/smollm2-135m-instruct-block")
-    a("--no-resume", action="store_true")
-    a("--init-from", default=None, help="warm start from this exported artefact (when no checkpoint resumes)")
-    a("--max-shards", type=int, default=None)
-    a("--target-layers", type=int, nargs="+", default=list(DEFAULT_TARGET_LAYERS))
-    a("--num-layers", type=int, default=2)
-    a("--num-heads", type=int, default=9)
-    a("--num-kv-heads", type=int, default=3)
-    a("--intermediate-size", type=int, default=1024)
-    a("--block-size", type=int, default=8)
-    a("--mask-token-id", type=int, default=0)
-    a("--no-causal-injection", action="store_true")
-    a("--injection-rank", type=int, default=32)
-    a("--context-window", type=int, default=64)
-    a("--batch-size", type=int, default=32)
-    a("--lr", type=float, default=1e-3)
-    a("--weight-decay", type=float, default=0.01)
-    a("--warmup-steps", type=int, default=100)
-    a("--max-steps", type=int, default=3000, help="length of the LR schedule")
-    a("--stop-at-step", type=int, default=0, help="stop early at this step (schedule unchanged)")
-    a("--gamma", type=float, default=4.0)
-    a("--clip", type=float, default=1.0)
-    a("--cpu-budget-minutes", type=float, default=60.0)
-    a("--ckpt-minutes", type=float, default=5.0)
-    a("--snapshot-step", type=int, default=0, help="also export a copy at exactly this step")
-    a("--snapshot-dir", default=None)
-    a("--log-seconds", type=float, default=30.0)
-    a("--threads", type=int, default=1)
-    a("--seed", type=int, default=0)
-    return ap
 
 
 def main(argv=None) -> None:
