@@ -7,6 +7,10 @@ masked), the block ``[s_a, MASK x (B-1)]`` and must predict ``s[a+1 .. a+B-1]``.
 Anchors range over the response: ``prompt_len <= a <= len(s) - B``; sampling is uniform over all
 anchors. The block targets are ``labels[a+1 .. a+B-1]``: the sequence itself for target-generated
 responses, the target's own greedy next token for teacher-forced ones (specmesh.training.teacher).
+A teacher-forced label at block position k is what the target emits after the ORIGINAL tokens
+s[a+1 .. a+k-1]; it is the right target for the drafter's chain only while those tokens are what
+the target itself would have emitted (s[a+j] == labels[a+j] for every j < k). From the first
+position where the text departs from the target, the targets are IGNORE (-100): never trained on.
 """
 
 from __future__ import annotations
@@ -15,6 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+
+IGNORE = -100  # F.cross_entropy's ignore_index
 
 
 @dataclass
@@ -95,6 +101,14 @@ def make_batch(corpus: Corpus, picks: list[tuple[int, int]], block_size: int, wi
         valid.append(v)
         seq = corpus.tokens[row]
         blocks.append(torch.tensor([int(seq[a])] + [mask_token_id] * (block_size - 1)))
-        targets.append(corpus.labels[row][a + 1: a + block_size])
+        targets.append(chain_targets(seq[a + 1: a + block_size], corpus.labels[row][a + 1: a + block_size]))
     return {"block_ids": torch.stack(blocks), "ctx_feats": torch.stack(feats),
             "ctx_valid": torch.stack(valid), "targets": torch.stack(targets)}
+
+
+def chain_targets(text: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """text, labels: [B-1] -> labels, IGNORE from the position after the first text != label on
+    (position k is kept iff text[j] == labels[j] for all j < k)."""
+    agree = (text == labels).long()  # [B-1]
+    consistent = torch.cat([torch.ones(1, dtype=torch.long), agree[:-1].cumprod(0)])  # [B-1]
+    return torch.where(consistent.bool(), labels, torch.full_like(labels, IGNORE))

@@ -31,7 +31,7 @@ from tqdm import tqdm
 from specmesh.drafters.artifact import export_drafter
 from specmesh.drafters.block import BlockDrafter, BlockDrafterConfig
 from specmesh.training.args import add_eval_args, add_train_args
-from specmesh.training.corpus import AnchorSampler, load_corpus, make_batch
+from specmesh.training.corpus import IGNORE, AnchorSampler, load_corpus, make_batch
 from specmesh.training.data import resolve_target_dir
 from specmesh.training.evaluate import eval_drafter, load_shared_target
 
@@ -51,11 +51,15 @@ def block_loss(drafter: BlockDrafter, batch: dict[str, torch.Tensor], weights: t
         h = drafter.hidden(batch["block_ids"], batch["ctx_feats"], batch["ctx_valid"])[:, 1:]  # [N, B-1, H]
         logits = drafter.lm_head(h.to(drafter.lm_head.weight.dtype))  # [N, B-1, V]
     n, k, v = logits.shape
+    targets = batch["targets"]  # [N, B-1], IGNORE where a teacher-forced chain left the target's path
     # bf16 CE (fp32 accumulation inside the kernel) is ~5x faster than fp32 on CPU
-    ce = F.cross_entropy(logits.reshape(n * k, v), batch["targets"].reshape(-1), reduction="none")
-    ce = ce.float().view(n, k)  # [N, B-1]
-    loss = (ce * weights).sum(dim=1).mean() / weights.sum()
-    acc = (logits.argmax(-1) == batch["targets"]).float().mean(0)  # [B-1]
+    ce = F.cross_entropy(logits.reshape(n * k, v), targets.reshape(-1), reduction="none", ignore_index=IGNORE)
+    kept = (targets != IGNORE).float()  # [N, B-1]
+    ce = ce.float().view(n, k) * kept  # [N, B-1]
+    # L = sum_{n,k} w_k CE_nk / sum_{n,k} w_k [kept]: the weighted mean over the kept targets
+    loss = (ce * weights).sum() / (kept * weights).sum().clamp_min(1e-6)
+    hits = ((logits.argmax(-1) == targets).float() * kept).sum(0)  # [B-1]
+    acc = hits / kept.sum(0).clamp_min(1.0)  # [B-1] top-1 accuracy over kept targets
     return loss, acc.detach()
 
 

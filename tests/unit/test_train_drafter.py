@@ -123,7 +123,7 @@ def test_teacher_labels_are_the_targets_next_tokens(tmp_path):
     and make_batch trains on labels (not the text) when a shard carries them."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from specmesh.training.corpus import Corpus
+    from specmesh.training.corpus import Corpus, chain_targets
     from specmesh.training.teacher import features_and_labels
 
     torch.manual_seed(0)
@@ -140,5 +140,39 @@ def test_teacher_labels_are_the_targets_next_tokens(tmp_path):
     corpus.add({"tokens": [torch.tensor(seqs[0])], "prompt_len": [6], "feat_start": [4], "features": [f0],
                 "meta": [{}], "labels": [l0]})
     batch = make_batch(corpus, [(0, 8)], block_size=4, window=3, mask_token_id=0)
-    assert batch["targets"][0].tolist() == l0[9:12].tolist()
+    text, labels = torch.tensor(seqs[0][9:12]), l0[9:12]
+    assert batch["targets"][0, 0] == labels[0]  # position 1: always the target's own next token
+    assert batch["targets"][0].tolist() == chain_targets(text, labels).tolist()
     assert batch["block_ids"][0].tolist() == [seqs[0][8], 0, 0, 0]
+
+
+def test_chain_targets_stop_where_the_text_leaves_the_targets_path():
+    from specmesh.training.corpus import IGNORE, chain_targets
+
+    text = torch.tensor([5, 6, 7, 8])
+    assert chain_targets(text, text.clone()).tolist() == [5, 6, 7, 8]  # regenerated: all kept
+    # label 1 always kept; text[1] != label[1], so positions 3.. depend on a token the target would
+    # not have emitted: ignored
+    assert chain_targets(text, torch.tensor([5, 9, 7, 8])).tolist() == [5, 9, IGNORE, IGNORE]
+    assert chain_targets(text, torch.tensor([1, 6, 7, 8])).tolist() == [1, IGNORE, IGNORE, IGNORE]
+
+
+def test_block_loss_ignores_masked_targets():
+    embed, head = shared()
+    args = tiny_args(Path("/tmp"), Path("/tmp"), "x")
+    drafter, *_ = build(args, embed, head, None)
+    g = torch.Generator().manual_seed(0)
+    batch = {"block_ids": torch.randint(1, V, (3, 4), generator=g), "ctx_feats": torch.randn(3, 6, 2 * H, generator=g),
+             "ctx_valid": torch.ones(3, 6, dtype=torch.bool), "targets": torch.randint(0, V, (3, 3), generator=g)}
+    w = position_weights(4, 4.0)
+    masked = dict(batch, targets=batch["targets"].clone())
+    masked["targets"][:, 2] = -100
+    loss, acc = block_loss(drafter, masked, w)
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        h = drafter.hidden(batch["block_ids"], batch["ctx_feats"], batch["ctx_valid"])[:, 1:]
+        logits = drafter.lm_head(h.to(drafter.lm_head.weight.dtype))  # [3, 3, V]
+    ce = torch.nn.functional.cross_entropy(logits.reshape(9, V), batch["targets"].reshape(-1),
+                                           reduction="none").float().view(3, 3)
+    expected = (ce[:, :2] * w[:2]).sum() / (3 * w[:2].sum())  # weighted mean over the kept targets only
+    assert torch.allclose(loss.detach(), expected, rtol=1e-3)
+    assert acc.shape == (3,) and acc[2] == 0
