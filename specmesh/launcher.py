@@ -30,6 +30,7 @@ from pathlib import Path
 
 from specmesh.config import MeshConfig
 from specmesh.health_probe import ProbeTls, check_serving, probe_tls_for, wait_serving
+from specmesh.procutil import wait_or_kill
 
 __all__ = ["Mesh", "Scale", "Child", "plan_addresses", "port_free", "check_serving", "wait_serving", "SERVICES"]
 
@@ -220,13 +221,9 @@ class Mesh:
         deadline = time.monotonic() + grace_s
         clean = True
         for child in self.children:
-            try:
-                child.proc.wait(max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                print(f"specmesh: {child.name} still running {grace_s:.0f}s after SIGTERM; killing it",
+            if not wait_or_kill(child.proc, max(0.1, deadline - time.monotonic())):
+                print(f"specmesh: {child.name} still running {grace_s:.0f}s after SIGTERM: killed",
                       file=sys.stderr)
-                child.proc.kill()
-                child.proc.wait()
                 clean = False
                 continue
             if child.proc.returncode != 0 and child.name not in self._reported:

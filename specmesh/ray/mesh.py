@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import logging
 import os
-import signal
 import subprocess
 import sys
 import tempfile
@@ -25,6 +24,7 @@ from pathlib import Path
 
 import ray
 
+from specmesh.procutil import stop_process
 from specmesh.ray.spec import START_ORDER, RayMeshSpec, TierSpec
 from specmesh.registry.local_redis import free_port
 
@@ -90,13 +90,7 @@ class ServiceActor:
 
     def stop(self, grace_s: float = 40.0) -> int | None:
         self._stopping = True
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s)
         return self.proc.returncode
 
 

@@ -12,6 +12,7 @@ import time
 import redis
 
 from specmesh.netutil import free_port  # also imported from here by specmesh.ray
+from specmesh.procutil import stop_process
 
 
 class LocalRedis:
@@ -46,13 +47,8 @@ class LocalRedis:
         raise RuntimeError(f"redis-server did not answer on {self.host}:{self.port}")
 
     def stop(self) -> None:
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        if self.proc is not None:
+            stop_process(self.proc, 5)
 
     def __enter__(self) -> "LocalRedis":
         return self.start()

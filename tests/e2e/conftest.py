@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 from specmesh.netutil import free_ports  # noqa: F401 - also used by tests as conftest.free_ports
+from specmesh.procutil import stop_process
 
 REPO = Path(__file__).resolve().parents[2]
 SPECMESH = [sys.executable, "-m", "specmesh.cli"]
@@ -149,13 +150,7 @@ class UpMesh:
 
     def terminate(self, grace_s: float = 40.0) -> int | None:
         """SIGTERM `specmesh up`, wait, then make sure no child survives (kill stragglers we started)."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(grace_s)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, grace_s)
         for pid in self.read_pids().values():
             if pid_alive(pid):
                 try:

@@ -23,6 +23,7 @@ import pytest
 import yaml
 
 from specmesh.netutil import free_ports
+from specmesh.procutil import wait_or_kill
 from specmesh.registry import Registry
 from specmesh.registry.local_redis import LocalRedis
 from specmesh.v1 import specmesh_pb2 as pb
@@ -89,11 +90,7 @@ def compose_stack(tmp_path_factory):
                 if p.poll() is None:
                     p.send_signal(signal.SIGTERM)
             for p in procs.values():
-                try:
-                    p.wait(40)
-                except subprocess.TimeoutExpired:
-                    p.kill()
-                    p.wait()
+                wait_or_kill(p, 40)
 
 
 def _logs(stack) -> str:

@@ -25,6 +25,7 @@ import pytest
 import yaml
 
 from specmesh.netutil import free_port
+from specmesh.procutil import stop_process
 from specmesh.registry import Registry
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
@@ -97,13 +98,7 @@ class Up:
             reg.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 60)
 
 
 @pytest.fixture(scope="module")

@@ -16,6 +16,7 @@ import pytest
 
 from prod_pki import Pki, make_pki  # noqa: F401  (re-exported for the TLS tests)
 from specmesh.netutil import free_port  # also imported from here by the e2e tests
+from specmesh.procutil import stop_process
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
@@ -49,13 +50,7 @@ class RedisServer:
         client.close()
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc, 10)
 
 
 @pytest.fixture(scope="module")
