@@ -34,9 +34,9 @@ def up_mesh_kwargs(args) -> dict:
 
 
 def _cmd_probe(args) -> int:
-    from specmesh.health_probe import ProbeTls, check_serving, probe_tls_for
+    from specmesh.health_probe import ClientTls, check_serving, probe_tls_for
 
-    tls = ProbeTls()
+    tls = ClientTls()
     if args.role:
         from specmesh.config import load_config
 

@@ -13,55 +13,29 @@ from __future__ import annotations
 
 import subprocess
 import time
-from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-
-@dataclass(frozen=True)
-class ProbeTls:
-    """File paths (picklable: Ray actors receive it) of the credentials a probe uses; all None = plaintext."""
-    root_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
-    server_name: str | None = None
-
-    @property
-    def enabled(self) -> bool:
-        return self.root_file is not None
-
-    def credentials(self) -> grpc.ChannelCredentials:
-        def read(path):
-            if path is None:
-                return None
-            with open(path, "rb") as f:
-                return f.read()
-        return grpc.ssl_channel_credentials(root_certificates=read(self.root_file), private_key=read(self.key_file),
-                                            certificate_chain=read(self.cert_file))
+from specmesh.rpc.client_tls import ClientTls
 
 
-def probe_tls_for(cfg, service: str) -> ProbeTls:
+def probe_tls_for(cfg, service: str) -> ClientTls:
     """cfg: specmesh.config.MeshConfig; service: gateway | coordinator | draft_worker | target_worker."""
     mesh, public = cfg.tls.mesh, cfg.tls.public
     if service == "gateway":
         if public.cert_file is None:
-            return ProbeTls()
+            return ClientTls()
         client = (mesh.cert_file, mesh.key_file) if public.client_ca_file and mesh.cert_file else (None, None)
-        return ProbeTls(public.ca_file or public.cert_file, client[0], client[1], public.server_name)
+        return ClientTls(public.ca_file or public.cert_file, client[0], client[1], public.server_name)
     if mesh.cert_file is None:
-        return ProbeTls()
-    return ProbeTls(mesh.ca_file, mesh.cert_file, mesh.key_file, mesh.server_name)
+        return ClientTls()
+    return ClientTls(mesh.ca_file, mesh.cert_file, mesh.key_file, mesh.server_name)
 
 
-def check_serving(address: str, timeout_s: float = 1.0, service: str = "", tls: ProbeTls | None = None) -> bool:
+def check_serving(address: str, timeout_s: float = 1.0, service: str = "", tls: ClientTls | None = None) -> bool:
     """One grpc.health.v1 Check: True only for SERVING (False on any error, TLS handshake included)."""
-    if tls is not None and tls.enabled:
-        options = [("grpc.ssl_target_name_override", tls.server_name)] if tls.server_name else []
-        channel = grpc.secure_channel(address, tls.credentials(), options=options)
-    else:
-        channel = grpc.insecure_channel(address)
-    with channel:
+    with (tls or ClientTls()).channel(address) as channel:
         try:
             resp = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
                                                              timeout=timeout_s)
@@ -71,7 +45,7 @@ def check_serving(address: str, timeout_s: float = 1.0, service: str = "", tls: 
 
 
 def wait_serving(address: str, timeout_s: float, proc: subprocess.Popen | None = None,
-                 tls: ProbeTls | None = None) -> bool:
+                 tls: ClientTls | None = None) -> bool:
     """Poll grpc.health.v1 until SERVING; False on timeout or if proc exits first."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:

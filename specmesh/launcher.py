@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specmesh.config import MeshConfig
-from specmesh.health_probe import ProbeTls, check_serving, probe_tls_for, wait_serving
+from specmesh.health_probe import ClientTls, check_serving, probe_tls_for, wait_serving
 from specmesh.procutil import wait_or_kill
 
 __all__ = ["Mesh", "Scale", "Child", "plan_addresses", "port_free", "check_serving", "wait_serving", "SERVICES"]
@@ -62,7 +62,7 @@ class Child:
     proc: subprocess.Popen
     log_path: Path | None
     service: str = ""
-    probe: ProbeTls = ProbeTls()  # how the launcher's health probe reaches it (TLS per the config)
+    probe: ClientTls = ClientTls()  # how the launcher's health probe reaches it (TLS per the config)
 
 
 def port_free(host: str, port: int) -> bool:

@@ -21,21 +21,9 @@ def add_client_arguments(p: argparse.ArgumentParser) -> None:
 
 def client_channel(args):
     """A channel to args.target: TLS when --ca-file (or a client certificate) is given."""
-    import grpc
+    from specmesh.rpc.client_tls import ClientTls
 
-    if not (args.ca_file or args.cert_file):
-        return grpc.insecure_channel(args.target)
-
-    def read(path):
-        with open(path, "rb") as f:
-            return f.read()
-
-    creds = grpc.ssl_channel_credentials(
-        root_certificates=read(args.ca_file) if args.ca_file else None,
-        private_key=read(args.key_file) if args.key_file else None,
-        certificate_chain=read(args.cert_file) if args.cert_file else None)
-    options = [("grpc.ssl_target_name_override", args.server_name)] if args.server_name else []
-    return grpc.secure_channel(args.target, creds, options=options)
+    return ClientTls(args.ca_file, args.cert_file, args.key_file, args.server_name).channel(args.target)
 
 
 def call_metadata(args) -> list[tuple[str, str]]:

@@ -18,6 +18,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specmesh.rpc.client_tls import read_pem
 from specmesh.telemetry import metrics, tracing
 from specmesh.telemetry.interceptors import ClientInterceptor, ServerInterceptor
 
@@ -31,11 +32,6 @@ CHANNEL_OPTIONS = [
 ROLES = {"Gateway": "gateway", "Coordinator": "coordinator", "DraftWorker": "draft_worker",
          "TargetWorker": "target_worker", "Admin": "gateway"}
 MESH = "mesh"  # Service(credentials=MESH): mTLS when configured, else plaintext
-
-
-def _read(path: str) -> bytes:
-    with open(path, "rb") as f:
-        return f.read()
 
 
 @dataclass(frozen=True)
@@ -55,7 +51,7 @@ def configure_mesh_tls(mesh_cfg) -> None:
     if mesh_cfg is None or mesh_cfg.cert_file is None:
         _mesh_tls = None
         return
-    key, cert, ca = _read(mesh_cfg.key_file), _read(mesh_cfg.cert_file), _read(mesh_cfg.ca_file)
+    key, cert, ca = read_pem(mesh_cfg.key_file), read_pem(mesh_cfg.cert_file), read_pem(mesh_cfg.ca_file)
     _mesh_tls = MeshTls(
         channel=grpc.ssl_channel_credentials(root_certificates=ca, private_key=key, certificate_chain=cert),
         server=grpc.ssl_server_credentials([(key, cert)], root_certificates=ca, require_client_auth=True),
@@ -66,8 +62,8 @@ def public_server_credentials(public_cfg) -> grpc.ServerCredentials | None:
     """public_cfg: specmesh.config.PublicTlsConfig; None = plaintext."""
     if public_cfg is None or public_cfg.cert_file is None:
         return None
-    ca = _read(public_cfg.client_ca_file) if public_cfg.client_ca_file else None
-    return grpc.ssl_server_credentials([(_read(public_cfg.key_file), _read(public_cfg.cert_file))],
+    ca = read_pem(public_cfg.client_ca_file)  # None: no client certificates required
+    return grpc.ssl_server_credentials([(read_pem(public_cfg.key_file), read_pem(public_cfg.cert_file))],
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 
