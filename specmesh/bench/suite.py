@@ -149,13 +149,13 @@ def schedule(modes: list[Mode], levels: list[Level], prompts: list[Prompt]):
 
 
 def request_options(args, mode: Mode, k: int) -> RequestOptions:
-    method, own_k, tree = parse_drafter(mode.drafter) if mode.drafter else ("", None, None)
     if mode.mode == "ar":
-        return RequestOptions(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                              method="off", timeout_s=args.timeout)
+        method, k, tree = "off", None, None
+    else:
+        method, own_k, tree = parse_drafter(mode.drafter) if mode.drafter else ("", None, None)
+        k = own_k if own_k is not None else k
     return RequestOptions(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
-                          method=method, k=own_k if own_k is not None else k, timeout_s=args.timeout,
-                          tree_budget=tree)
+                          method=method, k=k, timeout_s=args.timeout, tree_budget=tree)
 
 
 class Executor:

