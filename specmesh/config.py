@@ -39,6 +39,8 @@ DRAFTERS = ("ngram", "draft_model", "block")
 METHODS = ("off",) + DRAFTERS
 FEATURE_DRAFTERS = ("block",)  # drafters that read the target's hidden-state features
 VERIFY_MODES = ("chain", "tree")
+# auto: bfloat16 on a GPU or a CPU with native bf16 (avx512_bf16 / amx_bf16), else float32
+DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_TREE_BUDGET = 64  # draft-tree nodes per round, at most
 
 
@@ -52,12 +54,12 @@ def _check_address(value: str, key: str) -> None:
 class ModelConfig:
     name: str = "smollm2-135m-instruct"  # a model pinned in specmesh/manifests (fetched by fetch-model)
     path: str | None = None  # or any local HF causal-LM directory (overrides name)
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
     require_manifest: bool = True  # refuse to start without a verified MANIFEST.sha256 (named models)
     device: str = "auto"  # auto (cuda when torch sees a GPU, else cpu) | cpu | cuda | cuda:N
 
     def validate(self, key: str) -> None:
-        _check(self.dtype in ("bfloat16", "float16", "float32"), f"{key}.dtype", "bfloat16|float16|float32")
+        _check(self.dtype in DTYPES, f"{key}.dtype", "|".join(DTYPES))
         _check(re.fullmatch(r"auto|cpu|cuda(:\d+)?", self.device) is not None, f"{key}.device",
                "auto | cpu | cuda | cuda:N")
         _check(bool(self.name) or bool(self.path), key, "needs a name or a path")
@@ -154,10 +156,10 @@ class NgramConfig:
 class DraftModelConfig:
     name: str | None = None  # a pinned model name; with neither name nor path: the target model
     path: str | None = None  # any HF causal LM sharing the target's tokenizer
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
 
     def validate(self, key: str) -> None:
-        _check(self.dtype in ("bfloat16", "float16", "float32"), f"{key}.dtype", "bfloat16|float16|float32")
+        _check(self.dtype in DTYPES, f"{key}.dtype", "|".join(DTYPES))
 
 
 @dataclass(frozen=True)
@@ -165,10 +167,10 @@ class BlockWorkerConfig:
     """The block drafter's artefact (specmesh/drafters): weights + config + MANIFEST.sha256."""
 
     path: str | None = None  # null: artifacts/drafters/<model.name>-block in the source tree, if present
-    dtype: str = "bfloat16"
+    dtype: str = "auto"
 
     def validate(self, key: str) -> None:
-        _check(self.dtype in ("bfloat16", "float16", "float32"), f"{key}.dtype", "bfloat16|float16|float32")
+        _check(self.dtype in DTYPES, f"{key}.dtype", "|".join(DTYPES))
 
 
 @dataclass(frozen=True)
@@ -214,6 +216,9 @@ class TargetWorkerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     max_workers: int = 64
     drain_timeout_s: float = 30.0  # SIGTERM: take no new sequence, finish live ones up to this long
+    # verify with one-token kernels row by row (and prefill unpadded): output bitwise the target
+    # alone's in any dtype and batch; false: one batched GEMM, faster under load, near-tie flips
+    batch_invariant: bool = True
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")

@@ -28,6 +28,7 @@ from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout, verify_tree
 from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.engine.batcher import Batcher
+from specmesh.engine import rowexact
 from specmesh.engine.kv import SequenceKV, StepOutput, batched_step, new_sequence_kv
 from specmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
@@ -61,8 +62,11 @@ class VerifyJob:
 
 class TargetEngine:
     def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float,
-                 max_queue: int = 1024):
-        self.model = model
+                 max_queue: int = 1024, batch_invariant: bool = False):
+        # batch_invariant: verify row by row with one-token kernels and prefill unpadded, so the
+        # output is bitwise the target alone's whatever the batch (specmesh/engine/rowexact.py)
+        self.model = rowexact.install(model) if batch_invariant else model
+        self.batch_invariant = batch_invariant
         cfg = model.config.get_text_config()
         self.vocab_size, self.num_layers = cfg.vocab_size, cfg.num_hidden_layers
         self.context_window = getattr(cfg, "max_position_embeddings", None) or 1 << 30
@@ -207,7 +211,10 @@ class TargetEngine:
         return self._run_verify(jobs, hidden)
 
     def _run_prefill(self, jobs: list[PrefillJob], hidden: tuple[int, ...] = ()) -> list[PrefillOutcome]:
-        outs = batched_step(self.model, [j.seq.kv for j in jobs], [j.prompt for j in jobs], hidden_layers=hidden)
+        if self.batch_invariant:  # each prompt alone: no padding, the target-alone prefill exactly
+            outs = [batched_step(self.model, [j.seq.kv], [j.prompt], hidden_layers=hidden)[0] for j in jobs]
+        else:
+            outs = batched_step(self.model, [j.seq.kv for j in jobs], [j.prompt for j in jobs], hidden_layers=hidden)
         firsts = []
         for job, out in zip(jobs, outs):
             seq = job.seq
@@ -225,7 +232,7 @@ class TargetEngine:
         inputs = [[j.seq.pending] + list(j.draft.token_ids) for j in jobs]
         layouts = [tree_layout(j.draft.parents) if j.draft.parents is not None else (None, None) for j in jobs]
         outs = batched_step(self.model, [j.seq.kv for j in jobs], inputs, new_masks=[m for m, _ in layouts],
-                            depths=[d for _, d in layouts], hidden_layers=hidden)
+                            depths=[d for _, d in layouts], hidden_layers=hidden, row_exact=self.batch_invariant)
         results = []
         for job, out in zip(jobs, outs):
             seq, draft = job.seq, job.draft

@@ -106,7 +106,7 @@ def main(argv=None) -> int:
     c, bp = wcfg.cache, cfg.backpressure.target_worker
     opts = service_options(cfg, "target_worker")
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
-                          max_queue=bp.max_inflight + bp.max_queue)
+                          max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant)
     watch_target_engine(engine, c.max_tokens)
     servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
     service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,

@@ -216,7 +216,7 @@ def start_services(target_model, prompt_encoder, overrides: dict | None = None,
         if "target_worker" in components:
             w = cfg.target_worker
             stack.engine = TargetEngine(target_model, w.max_batch_size, w.cache.max_sequences, w.cache.max_tokens,
-                                        w.cache.idle_timeout_s)
+                                        w.cache.idle_timeout_s, batch_invariant=w.batch_invariant)
             servicer = TargetWorkerServicer(stack.engine, "test-target")
             stack.servers["target_worker"] = Service(
                 "specmesh.v1.TargetWorker", w.listen,

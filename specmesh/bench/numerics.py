@@ -4,7 +4,8 @@
 
 For each prompt: AR = one-position steps (what `--method off` runs), SPEC = n-gram drafts of k
 verified in one (k+1)-position forward (what `--method ngram` runs), and BATCH = the same SPEC
-with all prompts' rounds padded into one batch. Every token of every run is compared with AR;
+with all prompts' rounds padded into one batch (--batch-invariant: those forwards row-exact,
+specmesh/engine/rowexact.py, and the prefills unpadded, as the target worker's default does). Every token of every run is compared with AR;
 for the first divergence the AR step's float32 logits give the gap logit(AR token) -
 logit(other token): a flip with a small gap is a rounding near-tie, a large gap would be a bug.
 """
@@ -35,17 +36,20 @@ def _ar(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]
     return tokens, logits
 
 
-def _spec(model, prompts: list[list[int]], n: int, k: int) -> list[list[int]]:
+def _spec(model, prompts: list[list[int]], n: int, k: int, row_exact: bool = False) -> list[list[int]]:
     """Chain speculation with n-gram drafts; all prompts' rounds batched into one forward."""
     kvs, outs = [new_sequence_kv(model) for _ in prompts], []
-    for kv, out in zip(kvs, batched_step(model, kvs, prompts)):
+    prefills = ([batched_step(model, [kv], [p])[0] for kv, p in zip(kvs, prompts)] if row_exact
+                else batched_step(model, kvs, prompts))
+    for kv, out in zip(kvs, prefills):
         kv.append(out.new_keys, out.new_values)
         outs.append([int(out.logits[-1].argmax())])
     while any(len(o) < n for o in outs):
         live = [b for b, o in enumerate(outs) if len(o) < n]
         drafts = [propose_ngram(prompts[b] + outs[b], min(k, n - len(outs[b]) - 1), 1, 4) if n - len(outs[b]) > 1
                   else [] for b in live]
-        steps = batched_step(model, [kvs[b] for b in live], [[outs[b][-1]] + d for b, d in zip(live, drafts)])
+        steps = batched_step(model, [kvs[b] for b in live], [[outs[b][-1]] + d for b, d in zip(live, drafts)],
+                             row_exact=row_exact)
         for b, d, step in zip(live, drafts, steps):
             res = verify_greedy(step.logits, d)
             keep = res.accepted + 1
@@ -62,16 +66,17 @@ def _first_diff(ref: list[int], got: list[int], logits: list[torch.Tensor]) -> d
     return None
 
 
-def measure(model, prompts: list[list[int]], n: int, k: int) -> dict:
+def measure(model, prompts: list[list[int]], n: int, k: int, row_exact: bool = False) -> dict:
     ar = [_ar(model, p, n) for p in prompts]
-    single = [_spec(model, [p], n, k)[0] for p in prompts]
-    batched = _spec(model, prompts, n, k)
+    single = [_spec(model, [p], n, k, row_exact)[0] for p in prompts]
+    batched = _spec(model, prompts, n, k, row_exact)
     rows = []
     for i, ((ref, logits), s, b) in enumerate(zip(ar, single, batched)):
         rows.append({"prompt": i, "spec_batch1": _first_diff(ref, s, logits),
                      "spec_batched": _first_diff(ref, b, logits)})
     identical = {key: sum(r[key] is None for r in rows) for key in ("spec_batch1", "spec_batched")}
-    return {"prompts": len(prompts), "max_tokens": n, "k": k, "identical": identical, "rows": rows}
+    return {"prompts": len(prompts), "max_tokens": n, "k": k, "batch_invariant": row_exact, "identical": identical,
+            "rows": rows}
 
 
 def main(argv=None) -> int:
@@ -86,16 +91,21 @@ def main(argv=None) -> int:
     p.add_argument("--max-tokens", type=int, default=64)
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch-invariant", action="store_true", help="verify row-exact (target_worker.batch_invariant)")
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = fetch_model(progress=False)
     model = load_model(model_dir, args.dtype)
+    if args.batch_invariant:
+        from specmesh.engine import rowexact
+
+        rowexact.install(model)
     encoder = PromptEncoder.from_model_dir(model_dir)
     items = load_dataset("mt-bench", limit=args.limit)
     prompts = [encoder.encode(it.prompt, it.messages) for it in items]
     t0 = time.time()
-    result = measure(model, prompts, args.max_tokens, args.k)
+    result = measure(model, prompts, args.max_tokens, args.k, args.batch_invariant)
     result.update(dtype=args.dtype, dataset="mt-bench", seconds=round(time.time() - t0, 1))
     text = json.dumps(result, indent=2)
     if args.out:

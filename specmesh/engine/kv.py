@@ -20,10 +20,13 @@ host and moved once per step; the per-sequence logits and hidden states come bac
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
 from transformers import DynamicCache
+
+from specmesh.engine import rowexact
 
 
 class SequenceKV:
@@ -156,12 +159,15 @@ def batched_step(
     new_masks: list[torch.Tensor | None] | None = None,
     depths: list[torch.Tensor | None] | None = None,
     hidden_layers: tuple[int, ...] = (),
+    row_exact: bool = False,
 ) -> list[StepOutput]:
     """One forward over B sequences. inputs[b]: the Q_b new token ids of sequence b (Q_b >= 1).
 
     new_masks[b]: [Q_b, Q_b] bool, which new tokens query i may see (default causal).
     depths[b]: [Q_b] long, position offset of each new token past the cache (default arange).
     hidden_layers: HF hidden_states indices to return (0 = embeddings, i = after layer i).
+    row_exact: compute every position with the kernels of a one-token step (rowexact.py; the
+    model must have rowexact.install applied), so its logits equal the target alone's bitwise.
     The KV caches are not modified; the caller appends what it keeps.
     """
     if any(len(x) == 0 for x in inputs):
@@ -173,21 +179,29 @@ def batched_step(
     device = kvs[0].device
     ids, pos = ids.to(device), pos.to(device)
     mask = mask.to(device) if mask is not None else None
-    out = model.model(
-        input_ids=ids,
-        attention_mask=mask,
-        position_ids=pos,
-        cache=cache,
-        use_cache=True,
-        output_hidden_states=bool(hidden_layers),
-    )
+    plan = None
+    if row_exact and mask is not None:  # (one sequence, one token is already the one-token step)
+        if not rowexact.is_installed(model):
+            raise RuntimeError("row_exact asked for, but rowexact.install(model) was not applied")
+        plan = rowexact.plan_from_mask(mask, [len(x) for x in inputs])
+    with rowexact.active(plan) if plan is not None else contextlib.nullcontext():
+        out = model.model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=pos,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(hidden_layers),
+        )
     final = out.last_hidden_state  # [B, Q, H]
     head = lm_head_fp32(model)  # [V, H] float32
     results = []
     for b, toks in enumerate(inputs):
         n = len(toks)
-        # logits = h W^T computed in float32 (LM head and softmax in fp32 on every path)
-        logits = (final[b, :n].float() @ head.T).cpu()  # [n, V], on the host (no-op on cpu)
+        # logits = h W^T computed in float32 (LM head and softmax in fp32 on every path);
+        # row-exact: one [1, H] x [H, V] product per row, as a one-token step computes it
+        rows = [final[b, j : j + 1] for j in range(n)] if plan is not None else [final[b, :n]]
+        logits = torch.cat([r.float() @ head.T for r in rows]).cpu()  # [n, V], on the host
         layers = cache.layers
         keys = [layers[i].keys[b, :, lmax : lmax + n] for i in range(len(layers))]
         values = [layers[i].values[b, :, lmax : lmax + n] for i in range(len(layers))]

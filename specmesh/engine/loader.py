@@ -37,6 +37,33 @@ def parse_dtype(name: str | torch.dtype) -> torch.dtype:
     return _DTYPES[key]
 
 
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """True when the CPU multiplies bf16 in hardware (avx512_bf16 or amx_bf16 in its flags).
+    Without them torch computes bf16 GEMMs in software: on a 2-core AMD EPYC here, 4.8 GFLOP/s
+    against 42 GFLOP/s in float32 (a [4096, 576] x [576, 1536] product)."""
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return False
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
+    """parse_dtype, plus 'auto': bfloat16 on a GPU that supports it or a CPU with native bf16
+    (cpu_has_native_bf16), else float32 (faster there, and bitwise-stable in any batch)."""
+    if str(name).strip().lower() != "auto":
+        return parse_dtype(name)
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
+    return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
 def resolve_device(spec: str | torch.device | None) -> torch.device:
     """'auto' (cuda when torch sees a GPU, else cpu) | 'cpu' | 'cuda' | 'cuda:N' -> torch.device.
     Asking for a GPU torch cannot see is a ModelIntegrityError (the worker refuses to start)."""
@@ -102,14 +129,15 @@ def load_model(
     dir: Path | str, dtype: str | torch.dtype = "bfloat16", device: str | torch.device = "cpu"
 ) -> torch.nn.Module:
     """AutoModelForCausalLM from a local dir: eval mode, no grads, SDPA attention, on `device`
-    (see resolve_device; the workers pass model.device, default auto)."""
+    (see resolve_device; the workers pass model.device, default auto) in `dtype` (resolve_dtype:
+    a name, or auto)."""
     from transformers import AutoModelForCausalLM
 
     device = resolve_device(device)  # before reading any weights: a missing GPU fails fast
     try:
         model = AutoModelForCausalLM.from_pretrained(
             str(dir),
-            dtype=parse_dtype(dtype),
+            dtype=resolve_dtype(dtype, device),
             attn_implementation="sdpa",
             local_files_only=True,
         )

@@ -68,4 +68,5 @@ def add_data_args(ap: argparse.ArgumentParser, batch_size: int, max_prompt_token
     a("--target-layers", type=int, nargs="+", default=list(DEFAULT_TARGET_LAYERS))
     a("--threads", type=int, default=1)
     a("--seed", type=int, default=0)
+    a("--dtype", default="auto", help="target compute dtype (auto: bf16 only with native bf16 hardware)")
     return ap

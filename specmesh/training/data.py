@@ -29,6 +29,7 @@ import torch
 
 from specmesh.drafters.features import extract_target_features
 from specmesh.engine.fetch import model_cache_dir
+from specmesh.engine.loader import resolve_dtype
 from specmesh.training.args import add_data_args
 from specmesh.training.mtbench import download_wheel, load_mtbench, read_member
 
@@ -49,13 +50,15 @@ def resolve_target_dir(explicit: str | None = None) -> Path:
 
 
 def load_target(args):
-    """(tokenizer, bf16 eval model) of --target-dir / the default cache, torch at --threads."""
+    """(tokenizer, eval model in --dtype: auto = bf16 only with native bf16 hardware) of
+    --target-dir / the default cache, torch at --threads. Features are stored bf16 either way."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(args.threads)
     target = resolve_target_dir(args.target_dir)
     print(f"[data] target {target}", flush=True)
-    return AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(target, dtype=torch.bfloat16).eval()
+    return AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(
+        target, dtype=resolve_dtype(args.dtype)).eval()
 
 
 def pkg_cache_dir(explicit: str | None) -> Path:

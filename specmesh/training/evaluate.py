@@ -22,14 +22,17 @@ import torch
 from specmesh.drafters.artifact import MANIFEST_NAME, load_drafter, write_manifest
 from specmesh.drafters.block import BlockDrafter
 from specmesh.training.corpus import Corpus, gather_context, load_corpus
+from specmesh.engine.loader import resolve_dtype
 from specmesh.training.data import resolve_target_dir
 
 
 def load_shared_target(target_dir: Path):
-    """-> (embed_tokens, lm_head, final-norm weight) of the target, frozen bf16."""
+    """-> (embed_tokens, lm_head, final-norm weight) of the target, frozen, in the compute dtype
+    (resolve_dtype auto: bf16 where the CPU/GPU has it natively, else float32 -- the shared head's
+    dtype then sets training's autocast, see train.block_loss)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=torch.bfloat16).eval()
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype("auto")).eval()
     for p in model.parameters():
         p.requires_grad_(False)
     return model.model.embed_tokens, model.lm_head, model.model.norm.weight.detach()
@@ -81,7 +84,7 @@ def eval_drafter(args) -> dict:
     corpus = load_corpus(Path(args.data) / "mtbench")
     results = {}
     for d in args.drafter:
-        drafter = load_drafter(d, embed, lm_head)
+        drafter = load_drafter(d, embed, lm_head, dtype=embed.weight.dtype)
         results[d] = {"causal_injection": drafter.cfg.causal_injection,
                       **summarize(corpus, simulate_acceptance(drafter, corpus, args.eval_batch))}
         print(f"[eval] {d}: {json.dumps(results[d]['overall'])}", flush=True)

@@ -48,7 +48,8 @@ def position_weights(block_size: int, gamma: float) -> torch.Tensor:
 def block_loss(drafter: BlockDrafter, batch: dict[str, torch.Tensor], weights: torch.Tensor):
     """batch: block_ids [N, B], ctx_feats [N, C, F], ctx_valid [N, C], targets [N, B-1];
     weights: [B-1]. -> (scalar weighted CE, per-position top-1 accuracy [B-1])."""
-    with torch.autocast("cpu", dtype=torch.bfloat16):
+    # bf16 autocast where the shared head is bf16 (native bf16 hardware), plain float32 otherwise
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=drafter.lm_head.weight.dtype == torch.bfloat16):
         h = drafter.hidden(batch["block_ids"], batch["ctx_feats"], batch["ctx_valid"])[:, 1:]  # [N, B-1, H]
         logits = drafter.lm_head(h.to(drafter.lm_head.weight.dtype))  # [N, B-1, V]
     n, k, v = logits.shape
@@ -129,7 +130,8 @@ def init_from_artefact(drafter: BlockDrafter, directory: Path) -> None:
     from specmesh.drafters.artifact import load_drafter
 
     # the artefact around the same shared embedding / head (not copied), manifest verified
-    theirs = load_drafter(directory, drafter.embed_tokens, drafter.lm_head)
+    # (in the shared head's dtype: .to() on the artefact must not recast the modules it shares)
+    theirs = load_drafter(directory, drafter.embed_tokens, drafter.lm_head, dtype=drafter.lm_head.weight.dtype)
     if theirs.cfg != drafter.cfg:
         a, b = dataclasses.asdict(theirs.cfg), dataclasses.asdict(drafter.cfg)
         raise ValueError(f"--init-from {directory}: config differs in {sorted(k for k in a if a[k] != b[k])}")

@@ -87,3 +87,17 @@ def test_block_sampling_runs_clean(services, tree_budget):
     resp = mesh.gateway_stub.Generate(req, timeout=600)
     assert resp.usage.completion_tokens > 0 and resp.spec.method == "block"
     assert resp.spec.draft_failures == 0 and resp.spec.drafted_tokens > 0 and resp.spec.feature_bytes > 0
+
+
+def test_block_tree_bf16_batched_matches_hf_greedy(services, target_model_bf16, hf_reference_bf16,
+                                                   target_tokenizer):
+    """The services' default dtype, 16-node trees, 4 concurrent: batch-invariant verification
+    (the default) keeps every tree node bitwise on the one-token path, so bf16 output is strict
+    bf16 greedy."""
+    mesh = services(model=target_model_bf16)
+    assert mesh.engine.batch_invariant and "block" in mesh.drafters
+    responses = _run(mesh, 16, 4)
+    problems = [hf_reference_bf16(max_tokens=MAX_TOKENS, **kw).explain_mismatch(
+        list(r.token_ids), target_tokenizer, f"[bf16 block tree16] {label}") for (label, kw), r in zip(PROMPTS, responses)]
+    assert not [p for p in problems if p], "\n".join(p for p in problems if p)
+    assert sum(r.spec.accepted_tokens for r in responses) > 0

@@ -214,7 +214,7 @@ def start_mesh(target_model, encoder, overrides: dict | None = None, guard=None)
     try:
         w = cfg.target_worker
         mesh.engine = TargetEngine(target_model, w.max_batch_size, w.cache.max_sequences, w.cache.max_tokens,
-                                   w.cache.idle_timeout_s, max_queue=64)
+                                   w.cache.idle_timeout_s, max_queue=64, batch_invariant=w.batch_invariant)
         tservicer = TargetWorkerServicer(mesh.engine, "test-target",
                                          admission_limiter("target_worker", cfg.backpressure.target_worker))
         dservicer = DraftWorkerServicer({"ngram": NgramDrafter(1, 4)}, cfg.speculative.max_speculative_tokens,

@@ -268,8 +268,9 @@ def test_micro_runs_every_cell_on_a_tiny_model():
                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
     model = LlamaForCausalLM(cfg).eval()
     rows = run_micro(model, context=16, positions=(1, 4), batches=(1, 3), repeats=1)
-    assert [(r["batch"], r["positions"]) for r in rows] == [(1, 1), (1, 4), (3, 1), (3, 4)]
+    cells = [(b, q, m) for b in (1, 3) for q in (1, 4) for m in ("batched", "batch_invariant")]
+    assert [(r["batch"], r["positions"], r["mode"]) for r in rows] == cells
     assert all(r["median_ms"] > 0 and r["positions_per_s"] > 0 for r in rows)
     md = micro_markdown({"results": rows, "context": 16, "command": "specmesh bench --micro", "model": "tiny",
                          "machine": {"cpu": "x", "cores": 2, "torch": "t", "torch_threads": 1, "date": "d"}})
-    assert "| 4 |" in md and "batch 3" in md
+    assert "| 4 |" in md and "batch 3" in md and "**batched**" in md and "**batch_invariant**" in md

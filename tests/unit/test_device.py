@@ -55,3 +55,19 @@ def test_kv_buffers_live_on_the_given_device_and_keep_indices_follow_it():
     kv.append(new, new, keep=torch.tensor([0, 2]))  # grows past capacity 2, keeps slots 0 and 2
     assert kv.length == 2 and kv.capacity >= 2
     assert torch.equal(kv.keys[1][:, :2], new[1][:, [0, 2]])
+
+
+def test_dtype_auto_follows_native_bf16():
+    """auto: bfloat16 only where the CPU multiplies bf16 in hardware; explicit names pass through."""
+    import torch
+
+    from specmesh.engine import loader
+
+    intel = "processor\t: 0\nflags\t\t: fpu sse avx512f avx512_bf16 amx_tile amx_bf16\n"
+    amd = "processor\t: 0\nflags\t\t: fpu sse avx2 avx512f\n"
+    assert loader.cpu_has_native_bf16(intel) and not loader.cpu_has_native_bf16(amd)
+    assert loader.cpu_has_native_bf16("") is False
+    expected = torch.bfloat16 if loader.cpu_has_native_bf16() else torch.float32
+    assert loader.resolve_dtype("auto", "cpu") is expected
+    assert loader.resolve_dtype("bfloat16", "cpu") is torch.bfloat16
+    assert loader.resolve_dtype("fp32") is torch.float32

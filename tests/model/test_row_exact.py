@@ -1,0 +1,90 @@
+"""Batch-invariant verification (specmesh/engine/rowexact.py) on the real default model in bf16,
+the services' default dtype: a verify forward over several positions, padded beside other
+sequences or shaped as a tree, gives each position the logits of the one-token steps the target
+alone would take — bit for bit (torch.equal), not to a tolerance. Without row_exact the same
+forward is a different GEMM and its logits move (the reason this mode exists); that is measured
+and printed here, not asserted, since it depends on the BLAS library."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh.core.tree import tree_layout
+from specmesh.engine import rowexact
+from specmesh.engine.kv import batched_step, new_sequence_kv
+
+pytestmark = pytest.mark.model
+
+
+def _prefilled(model, prompt: list[int]):
+    kv = new_sequence_kv(model)
+    out = batched_step(model, [kv], [prompt])[0]
+    kv.append(out.new_keys, out.new_values)
+    return kv
+
+
+def _one_token_steps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """The target alone: prefill, then one forward per token -> [len(tokens), V] logits."""
+    kv = _prefilled(model, prompt)
+    rows = []
+    for t in tokens:
+        out = batched_step(model, [kv], [[t]])[0]
+        kv.append(out.new_keys, out.new_values)
+        rows.append(out.logits[0])
+    return torch.stack(rows)
+
+
+def _tokens(seed: int, n: int) -> list[int]:
+    return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+@pytest.fixture(scope="module")
+def model(target_model_bf16):
+    return rowexact.install(target_model_bf16)  # transparent unless a step asks for row_exact
+
+
+def test_chain_verify_is_bitwise_the_one_token_steps(model):
+    prompt, drafts = _tokens(0, 90), _tokens(1, 6)
+    ref = _one_token_steps(model, prompt, drafts)
+    kv = _prefilled(model, prompt)
+    exact = batched_step(model, [kv], [drafts], row_exact=True)[0].logits
+    assert torch.equal(exact, ref)
+    batched = batched_step(model, [kv], [drafts])[0].logits
+    print(f"without row_exact: max |logit diff| {float((batched - ref).abs().max()):.4f}")
+
+
+def test_padded_batch_rows_are_bitwise_each_sequence_alone(model):
+    """Three sequences of different lengths and draft counts in one padded forward."""
+    prompts = [_tokens(10, 40), _tokens(11, 73), _tokens(12, 9)]
+    drafts = [_tokens(20, 5), _tokens(21, 2), _tokens(22, 1)]
+    refs = [_one_token_steps(model, p, d) for p, d in zip(prompts, drafts)]
+    kvs = [_prefilled(model, p) for p in prompts]
+    outs = batched_step(model, kvs, drafts, row_exact=True)
+    for out, ref in zip(outs, refs):
+        assert torch.equal(out.logits, ref)
+    # the KV of the new tokens is the one-token steps' too: continuing after them stays exact
+    for kv, out in zip(kvs, outs):
+        kv.append(out.new_keys, out.new_values)
+    nxt = batched_step(model, kvs, [[7], [8, 9], [10]], row_exact=True)
+    for p, d, extra, out in zip(prompts, drafts, [[7], [8, 9], [10]], nxt):
+        assert torch.equal(out.logits, _one_token_steps(model, p, d + extra)[len(d):])
+
+
+def test_tree_nodes_are_bitwise_their_ancestor_path(model):
+    """Node i sees the context and its ancestors; its logits equal the one-token steps along
+    root -> ... -> i, whatever its siblings."""
+    prompt = _tokens(30, 50)
+    toks = _tokens(31, 6)  # node 0 = root (the pending token), then 5 drafted nodes
+    parents = [-1, 0, 0, 1, 1, 2]  # over [root, drafts]; tree_layout takes the drafts' (root = -1)
+    mask, depth = tree_layout([p - 1 for p in parents[1:]])
+    kv = _prefilled(model, prompt)
+    out = batched_step(model, [kv], [toks], new_masks=[mask], depths=[depth], row_exact=True)[0]
+    for node in range(len(toks)):
+        path, n = [], node
+        while n != -1:
+            path.append(n)
+            n = parents[n]
+        path.reverse()
+        ref = _one_token_steps(model, prompt, [toks[i] for i in path])
+        assert torch.equal(out.logits[node], ref[-1]), f"node {node} (path {path})"

@@ -1,0 +1,73 @@
+"""rowexact mechanics on a tiny random Llama (the bitwise claims on the real model in bf16 are in
+tests/model/test_row_exact.py): the plan read off the verify mask, the install guard, the
+sliding-window refusal, and that an installed model without a plan is HF's own computation."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh.engine import rowexact
+from specmesh.engine.kv import batched_step, new_sequence_kv
+
+
+def _tiny(**extra):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **extra)
+    return LlamaForCausalLM(cfg).float().eval()
+
+
+def _prefilled(model, prompt):
+    kv = new_sequence_kv(model)
+    out = batched_step(model, [kv], [prompt])[0]
+    kv.append(out.new_keys, out.new_values)
+    return kv
+
+
+def test_plan_lists_each_real_query_rows_visible_slots():
+    # B=2, Q=3, S=4+3: row 0 has a cache of 4 and 3 new tokens (causal); row 1 a cache of 2, 1 new
+    mask = torch.zeros((2, 1, 3, 7), dtype=torch.bool)
+    mask[0, 0, :, :4] = True
+    mask[0, 0, :, 4:] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
+    mask[1, 0, :, :2] = True
+    mask[1, 0, 0, 4] = True
+    plan = rowexact.plan_from_mask(mask, [3, 1])
+    assert plan.counts == [3, 1]
+    assert [s.tolist() for s in plan.slots[0]] == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6]]
+    assert [s.tolist() for s in plan.slots[1]] == [[0, 1, 4]]
+
+
+def test_row_exact_refused_without_install():
+    model = _tiny()
+    kv = _prefilled(model, [3, 4, 5])
+    with pytest.raises(RuntimeError, match="install"):
+        batched_step(model, [kv], [[1, 2]], row_exact=True)
+
+
+def test_installed_model_is_unchanged_without_a_plan_and_exact_with_one():
+    plain, installed = _tiny(), rowexact.install(_tiny())
+    assert rowexact.install(installed) is installed and rowexact.is_installed(installed)
+    prompt, drafts = [3, 9, 4, 17, 8], [5, 6, 7]
+    a = batched_step(plain, [_prefilled(plain, prompt)], [drafts])[0].logits
+    b = batched_step(installed, [_prefilled(installed, prompt)], [drafts])[0].logits
+    assert torch.equal(a, b)  # same weights (seed 0), no plan: HF's own path
+    kv = _prefilled(installed, prompt)
+    steps = []
+    for t in drafts:
+        out = batched_step(installed, [kv], [[t]])[0]
+        kv.append(out.new_keys, out.new_values)
+        steps.append(out.logits[0])
+    exact = batched_step(installed, [_prefilled(installed, prompt)], [drafts], row_exact=True)[0].logits
+    assert torch.equal(exact, torch.stack(steps))
+
+
+def test_sliding_window_models_are_refused():
+    from transformers import MistralConfig, MistralForCausalLM
+
+    cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                        num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
+    with pytest.raises(ValueError, match="sliding-window"):
+        rowexact.install(MistralForCausalLM(cfg).eval())
