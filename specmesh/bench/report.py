@@ -156,8 +156,11 @@ def to_markdown(doc: dict) -> str:
     title = (f"## specmesh bench: {doc.get('dataset')}, {doc.get('num_prompts')} prompts, "
              f"max_tokens {doc.get('max_tokens')}, T={doc.get('temperature')}, k={doc.get('k')}")
     m = doc.get("machine", {})
+    mc = doc.get("mesh_config") or {}
+    setting = (f"; target {mc.get('dtype')}, batch_invariant {str(mc.get('batch_invariant')).lower()}" if mc else "")
+    wall = f"; the whole run took {doc['wall_s'] / 60:.1f} min" if doc.get("wall_s") else ""
     lines = [title, "", f"`{doc.get('command')}`", "",
-             f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}, {m.get('date')}", ""]
+             f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}, {m.get('date')}{setting}{wall}", ""]
     lines += runs_table(doc) + acceptance_section(doc) + category_section(doc) + summary_section(doc)
     return "\n".join(lines) + "\n"
 

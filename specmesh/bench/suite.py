@@ -17,6 +17,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -262,12 +263,22 @@ def check_plan(modes: list[Mode], levels: list[Level]) -> str | None:
     return None
 
 
+def mesh_settings(cfg) -> dict:
+    """The local config's numerics (what a stack this bench starts runs with)."""
+    from specmesh.engine.loader import resolve_device, resolve_dtype
+
+    dtype = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
+    return {"dtype": str(dtype).removeprefix("torch."), "batch_invariant": cfg.target_worker.batch_invariant,
+            "default_method": cfg.speculative.method}
+
+
 def main(args) -> int:
     from specmesh.bench import report
     from specmesh.bench.compare import summarize_runs
     from specmesh.bench.datasets import load_dataset
     from specmesh.config import load_config
 
+    started = time.monotonic()
     cfg = load_config(args.config)
     if args.k is None:
         args.k = cfg.speculative.num_speculative_tokens
@@ -293,6 +304,8 @@ def main(args) -> int:
         print(f"specmesh bench: {exc}", file=sys.stderr)
         return 1
     result = summarize_runs(runs, args, len(prompts))
+    result["wall_s"] = round(time.monotonic() - started, 1)
+    result["mesh_config"] = mesh_settings(cfg)
     report.write_all(result, args.out, plots=not args.no_plots)
     print(report.to_markdown(result))
     return 0
