@@ -107,6 +107,9 @@ def main(argv=None) -> int:
     opts = service_options(cfg, "target_worker")
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
                           max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant)
+    param = next(model.parameters())
+    log.info("target %s loaded: %s on %s, batch_invariant %s", model_dir, str(param.dtype).removeprefix("torch."),
+             param.device, wcfg.batch_invariant)
     watch_target_engine(engine, c.max_tokens)
     servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
     service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,
