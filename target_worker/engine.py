@@ -27,8 +27,8 @@ from specmesh.core.rejection import verify as verify_round
 from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout, verify_tree
 from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
-from specmesh.engine.batcher import Batcher
 from specmesh.engine import rowexact
+from specmesh.engine.batcher import Batcher
 from specmesh.engine.kv import SequenceKV, StepOutput, batched_step, new_sequence_kv
 from specmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 

@@ -174,16 +174,16 @@ def batched_step(
         raise ValueError("every sequence needs at least one new token")
     cache, lmax = _padded_cache(kvs)
     ids, pos, mask = _batch_inputs(kvs, inputs, new_masks, depths)  # built on the host
+    plan = None
+    if row_exact and (len(inputs) > 1 or len(inputs[0]) > 1):  # one row is the one-token step already
+        if not rowexact.is_installed(model):
+            raise RuntimeError("row_exact asked for, but rowexact.install(model) was not applied")
+        plan = rowexact.plan_from_mask(mask, [len(x) for x in inputs])  # before an all-visible mask is dropped
     if bool(mask.all()):
         mask = None  # nothing to hide (one sequence, one new token): let SDPA take its unmasked kernel
     device = kvs[0].device
     ids, pos = ids.to(device), pos.to(device)
     mask = mask.to(device) if mask is not None else None
-    plan = None
-    if row_exact and mask is not None:  # (one sequence, one token is already the one-token step)
-        if not rowexact.is_installed(model):
-            raise RuntimeError("row_exact asked for, but rowexact.install(model) was not applied")
-        plan = rowexact.plan_from_mask(mask, [len(x) for x in inputs])
     with rowexact.active(plan) if plan is not None else contextlib.nullcontext():
         out = model.model(
             input_ids=ids,

@@ -88,3 +88,13 @@ def test_tree_nodes_are_bitwise_their_ancestor_path(model):
         path.reverse()
         ref = _one_token_steps(model, prompt, [toks[i] for i in path])
         assert torch.equal(out.logits[node], ref[-1]), f"node {node} (path {path})"
+
+
+def test_equal_length_one_token_rows_are_bitwise_each_alone(model):
+    """Batched plain decoding (method off at concurrency > 1): sequences of the same length with
+    one new token each leave nothing to mask, and the rows still take the one-token path."""
+    prompts = [_tokens(50, 33), _tokens(51, 33), _tokens(52, 33)]
+    kvs = [_prefilled(model, p) for p in prompts]
+    outs = batched_step(model, kvs, [[11], [12], [13]], row_exact=True)
+    for p, t, out in zip(prompts, [11, 12, 13], outs):
+        assert torch.equal(out.logits, _one_token_steps(model, p, [t]))

@@ -71,3 +71,23 @@ def test_sliding_window_models_are_refused():
                         num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
     with pytest.raises(ValueError, match="sliding-window"):
         rowexact.install(MistralForCausalLM(cfg).eval())
+
+
+def test_plan_is_used_when_nothing_needs_masking(monkeypatch):
+    """Two sequences of equal length, one new token each: the verify mask is all-visible (and is
+    dropped for SDPA), but each row must still be computed alone."""
+    model = rowexact.install(_tiny())
+    kvs = [_prefilled(model, [3, 4, 5]), _prefilled(model, [6, 7, 8])]
+    plans = []
+    real = rowexact.active
+
+    def spy(plan):
+        plans.append(plan)
+        return real(plan)
+
+    monkeypatch.setattr(rowexact, "active", spy)
+    batched_step(model, kvs, [[1], [2]], row_exact=True)
+    assert len(plans) == 1 and plans[0].counts == [1, 1]
+    assert [s.tolist() for s in plans[0].slots[0]] == [[0, 1, 2, 3]]
+    batched_step(model, kvs[:1], [[1]], row_exact=True)  # a single row needs no plan
+    assert len(plans) == 1
