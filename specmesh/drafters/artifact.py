@@ -50,7 +50,7 @@ def export_drafter(drafter: BlockDrafter, out_dir: str | Path, extra: dict | Non
     """Write config + bf16 weights (+ optional ``training.json``) and the manifest, atomically per file."""
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    state = {k: v.detach().to("cpu", torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
     save_file(state, str(out / (WEIGHTS_NAME + ".tmp")), metadata={"format": "pt"})
     os.replace(out / (WEIGHTS_NAME + ".tmp"), out / WEIGHTS_NAME)
     (out / CONFIG_NAME).write_text(drafter.cfg.to_json() + "\n")

@@ -42,6 +42,7 @@ def add_train_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     a("--log-seconds", type=float, default=30.0)
     a("--threads", type=int, default=1)
     a("--seed", type=int, default=0)
+    a("--device", default="auto", help="auto (cuda when torch sees a GPU) | cpu | cuda | cuda:N")
     return ap
 
 
@@ -52,6 +53,7 @@ def add_eval_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
     ap.add_argument("--out", default=None, help="write the results JSON here")
     ap.add_argument("--eval-batch", type=int, default=64)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="auto", help="auto (cuda when torch sees a GPU) | cpu | cuda | cuda:N")
     return ap
 
 
@@ -69,4 +71,5 @@ def add_data_args(ap: argparse.ArgumentParser, batch_size: int, max_prompt_token
     a("--threads", type=int, default=1)
     a("--seed", type=int, default=0)
     a("--dtype", default="auto", help="target compute dtype (auto: bf16 only with native bf16 hardware)")
+    a("--device", default="auto", help="auto (cuda when torch sees a GPU) | cpu | cuda | cuda:N")
     return ap

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 
 from specmesh.training.args import add_eval_args, add_train_args
@@ -24,13 +25,29 @@ def _target_args(args) -> list[str]:
     return ["--target-dir", args.target_dir] if args.target_dir else []
 
 
+def _device_ok(args, command: str) -> bool:
+    """A --device torch cannot use is refused up front, before data or models are read."""
+    from specmesh.engine.loader import resolve_device
+    from specmesh.errors import ModelIntegrityError
+
+    try:
+        resolve_device(args.device)
+        return True
+    except ModelIntegrityError as exc:
+        print(f"{command}: {exc}", file=sys.stderr)
+        return False
+
+
 def _cmd_train(args) -> int:
     from specmesh.training import data, teacher
     from specmesh.training.train import train_drafter
 
+    if not _device_ok(args, "train-drafter"):
+        return 2
+
     layers = ["--target-layers", *map(str, args.target_layers)]
     common = ["--out", args.data, "--threads", str(args.threads), "--context-window", str(args.context_window),
-              *layers, *_target_args(args)]
+              "--device", args.device, *layers, *_target_args(args)]
     if args.data_minutes > 0:
         data.main(["--split", "train", "--minutes", str(args.data_minutes),
                    "--num-prompts", str(args.data_prompts), *common])
@@ -47,10 +64,13 @@ def _cmd_eval(args) -> int:
     from specmesh.training import data
     from specmesh.training.evaluate import eval_drafter
 
+    if not _device_ok(args, "eval-drafter"):
+        return 2
+
     if not any((Path(args.data) / "mtbench").glob("shard_*.pt")):
         print(f"eval-drafter: generating the MT-Bench split in {args.data}/mtbench with the target first")
         data.main(["--split", "mtbench", "--out", args.data, "--threads", str(args.threads),
-                   "--minutes", "1000", *_target_args(args)])
+                   "--minutes", "1000", "--device", args.device, *_target_args(args)])
     results = eval_drafter(args)
     print(json.dumps({d: r["overall"] for d, r in results.items()}, indent=2))
     return 0

@@ -29,7 +29,7 @@ import torch
 
 from specmesh.drafters.features import extract_target_features
 from specmesh.engine.fetch import model_cache_dir
-from specmesh.engine.loader import resolve_dtype
+from specmesh.engine.loader import resolve_device, resolve_dtype
 from specmesh.training.args import add_data_args
 from specmesh.training.mtbench import download_wheel, load_mtbench, read_member
 
@@ -56,9 +56,10 @@ def load_target(args):
 
     torch.set_num_threads(args.threads)
     target = resolve_target_dir(args.target_dir)
-    print(f"[data] target {target}", flush=True)
+    device = resolve_device(args.device)
+    print(f"[data] target {target} on {device}", flush=True)
     return AutoTokenizer.from_pretrained(target), AutoModelForCausalLM.from_pretrained(
-        target, dtype=resolve_dtype(args.dtype)).eval()
+        target, dtype=resolve_dtype(args.dtype, device)).eval().to(device)
 
 
 def pkg_cache_dir(explicit: str | None) -> Path:
@@ -137,7 +138,7 @@ def generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_
     for i, p in enumerate(prompt_ids):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids, attention_mask=mask, max_new_tokens=max_new_tokens,
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
                          do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
     responses = []
     for row in out[:, width:].tolist():
@@ -161,11 +162,13 @@ def right_padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 def target_features(model, seqs: list[list[int]], target_layers, starts: list[int]) -> list[torch.Tensor]:
     """Per sequence [L - start, len(layers) * H] bf16 features from one right-padded forward."""
     ids, mask = right_padded(seqs)
-    hs = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    hs = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                     output_hidden_states=True).hidden_states
     feats = []
     for i, s in enumerate(seqs):
         per_seq = [h[i, starts[i]: len(s)] for h in hs]
-        feats.append(extract_target_features(per_seq, target_layers).to(torch.bfloat16).clone())
+        # an owned bf16 copy on the host (not a view into the whole batch's hidden states)
+        feats.append(extract_target_features(per_seq, target_layers).to("cpu", torch.bfloat16, copy=True))
     return feats
 
 

@@ -22,17 +22,18 @@ import torch
 from specmesh.drafters.artifact import MANIFEST_NAME, load_drafter, write_manifest
 from specmesh.drafters.block import BlockDrafter
 from specmesh.training.corpus import Corpus, gather_context, load_corpus
-from specmesh.engine.loader import resolve_dtype
+from specmesh.engine.loader import resolve_device, resolve_dtype
 from specmesh.training.data import resolve_target_dir
 
 
-def load_shared_target(target_dir: Path):
+def load_shared_target(target_dir: Path, device: str = "cpu"):
     """-> (embed_tokens, lm_head, final-norm weight) of the target, frozen, in the compute dtype
     (resolve_dtype auto: bf16 where the CPU/GPU has it natively, else float32 -- the shared head's
     dtype then sets training's autocast, see train.block_loss)."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype("auto")).eval()
+    device = resolve_device(device)
+    model = AutoModelForCausalLM.from_pretrained(target_dir, dtype=resolve_dtype("auto", device)).eval().to(device)
     for p in model.parameters():
         p.requires_grad_(False)
     return model.model.embed_tokens, model.lm_head, model.model.norm.weight.detach()
@@ -43,10 +44,11 @@ def draft_round(drafter: BlockDrafter, corpus: Corpus, picks: list[tuple[int, in
     """Greedy-draft one block at each (row, anchor) and return n (leading matches) per pick."""
     cfg = drafter.cfg
     ctx = [gather_context(corpus, r, a, cfg.context_window) for r, a in picks]
-    feats = torch.stack([c[0] for c in ctx])  # [N, C, F]
-    valid = torch.stack([c[1] for c in ctx])  # [N, C]
-    last = torch.tensor([int(corpus.tokens[r][a]) for r, a in picks])  # [N]
-    drafts = drafter.draft(last, feats, valid)  # [N, B-1]
+    dev = drafter.lm_head.weight.device
+    feats = torch.stack([c[0] for c in ctx]).to(dev)  # [N, C, F]
+    valid = torch.stack([c[1] for c in ctx]).to(dev)  # [N, C]
+    last = torch.tensor([int(corpus.tokens[r][a]) for r, a in picks], device=dev)  # [N]
+    drafts = drafter.draft(last, feats, valid).cpu()  # [N, B-1]
     truth = torch.stack([corpus.tokens[r][a + 1: a + cfg.block_size] for r, a in picks])  # [N, B-1]
     return (drafts == truth).long().cumprod(dim=1).sum(dim=1).tolist()
 
@@ -80,11 +82,11 @@ def summarize(corpus: Corpus, lengths: list[list[int]]) -> dict:
 def eval_drafter(args) -> dict:
     """Evaluate every ``args.drafter`` artefact dir on the cached MT-Bench split."""
     torch.set_num_threads(args.threads)
-    embed, lm_head, _ = load_shared_target(resolve_target_dir(args.target_dir))
+    embed, lm_head, _ = load_shared_target(resolve_target_dir(args.target_dir), args.device)
     corpus = load_corpus(Path(args.data) / "mtbench")
     results = {}
     for d in args.drafter:
-        drafter = load_drafter(d, embed, lm_head, dtype=embed.weight.dtype)
+        drafter = load_drafter(d, embed, lm_head, dtype=embed.weight.dtype).to(embed.weight.device)
         results[d] = {"causal_injection": drafter.cfg.causal_injection,
                       **summarize(corpus, simulate_acceptance(drafter, corpus, args.eval_batch))}
         print(f"[eval] {d}: {json.dumps(results[d]['overall'])}", flush=True)

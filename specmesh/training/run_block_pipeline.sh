@@ -11,7 +11,8 @@ SPECMESH=${SPECMESH:-".venv/bin/python -m specmesh.cli"}
 DATA=${DATA:-.cache/train/data}
 ART=${ART:-artifacts/drafters/smollm2-135m-instruct-block}
 THREADS=${THREADS:-2}
+DEVICE=${DEVICE:-auto}   # auto: cuda when torch sees a GPU (dtype auto then bf16); never run on a GPU here
 $SPECMESH train-drafter --data "$DATA" --data-minutes "${DATA_MINUTES:-35}" \
-  --teacher-minutes "${TEACHER_MINUTES:-25}" --threads "$THREADS" --ckpt-dir .cache/train/ckpt/block \
+  --teacher-minutes "${TEACHER_MINUTES:-25}" --threads "$THREADS" --device "$DEVICE" --ckpt-dir .cache/train/ckpt/block \
   --export-dir "$ART" --max-steps "${MAX_STEPS:-12000}" --cpu-budget-minutes "${TRAIN_MINUTES:-60}"
-$SPECMESH eval-drafter --data "$DATA" --threads "$THREADS" --drafter "$ART" --out "$ART/eval_mtbench.json"
+$SPECMESH eval-drafter --data "$DATA" --threads "$THREADS" --device "$DEVICE" --drafter "$ART" --out "$ART/eval_mtbench.json"

@@ -37,14 +37,16 @@ from specmesh.training.data import (chat_prompt_ids, load_sharegpt_pairs, load_t
 def features_and_labels(model, seqs: list[list[int]], target_layers, starts: list[int]):
     """One right-padded forward -> per sequence (features [L - start, F] bf16, labels [L] int64)."""
     ids, mask = right_padded(seqs)  # [B, W] each
-    hs = model.model(input_ids=ids, attention_mask=mask, output_hidden_states=True).hidden_states
+    hs = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                     output_hidden_states=True).hidden_states
     head = model.get_output_embeddings()
     out = []
     for i, s in enumerate(seqs):
         start, n = starts[i], len(s)
-        feats = extract_target_features([h[i, start:n] for h in hs], target_layers).to(torch.bfloat16).clone()
+        feats = extract_target_features([h[i, start:n] for h in hs], target_layers).to("cpu", torch.bfloat16,
+                                                                                        copy=True)
         # row j of logits (position start + j) predicts token start + j + 1
-        pred = head(hs[-1][i, start: n - 1]).float().argmax(-1)  # [n - 1 - start]
+        pred = head(hs[-1][i, start: n - 1]).float().argmax(-1).cpu()  # [n - 1 - start]
         labels = torch.tensor(s, dtype=torch.long)
         labels[start + 1: n] = pred
         out.append((feats, labels))

@@ -49,7 +49,8 @@ def block_loss(drafter: BlockDrafter, batch: dict[str, torch.Tensor], weights: t
     """batch: block_ids [N, B], ctx_feats [N, C, F], ctx_valid [N, C], targets [N, B-1];
     weights: [B-1]. -> (scalar weighted CE, per-position top-1 accuracy [B-1])."""
     # bf16 autocast where the shared head is bf16 (native bf16 hardware), plain float32 otherwise
-    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=drafter.lm_head.weight.dtype == torch.bfloat16):
+    head = drafter.lm_head.weight
+    with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=head.dtype == torch.bfloat16):
         h = drafter.hidden(batch["block_ids"], batch["ctx_feats"], batch["ctx_valid"])[:, 1:]  # [N, B-1, H]
         logits = drafter.lm_head(h.to(drafter.lm_head.weight.dtype))  # [N, B-1, V]
     n, k, v = logits.shape
@@ -94,11 +95,11 @@ def save_checkpoint(path: Path, drafter, opt, step: int, gen: torch.Generator, e
 
 
 def load_checkpoint(path: Path, drafter, opt, gen: torch.Generator) -> tuple[int, dict]:
-    state = torch.load(path, weights_only=False)
+    state = torch.load(path, weights_only=False, map_location=drafter.lm_head.weight.device)
     drafter.load_state_dict(state["model"])
     opt.load_state_dict(state["optimizer"])
-    gen.set_state(state["sampler_rng"])
-    torch.set_rng_state(state["torch_rng"])
+    gen.set_state(state["sampler_rng"].cpu())  # RNG states are host tensors whatever map_location did
+    torch.set_rng_state(state["torch_rng"].cpu())
     random.setstate(state["python_rng"])
     return int(state["step"]), dict(state["extra"])
 
@@ -108,7 +109,7 @@ def build(args, embed, lm_head, norm_weight: torch.Tensor | None):
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     cfg = config_from_args(args, embed.weight.shape[0], embed.weight.shape[1])
-    drafter = BlockDrafter(cfg, embed, lm_head)
+    drafter = BlockDrafter(cfg, embed, lm_head).to(embed.weight.device)  # on the shared modules' device
     if norm_weight is not None:  # 0.2 x target final-norm scale: initial logits ~N(0, 1), CE ~ ln V
         drafter.final_norm.weight.data.copy_(0.2 * norm_weight.float())
     opt = torch.optim.AdamW(drafter.parameters(), lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
@@ -153,13 +154,14 @@ def train_drafter(args, embed=None, lm_head=None, norm_weight=None) -> dict:
     """Run (or resume) training; returns a summary dict. ``embed``/``lm_head`` default to the target's."""
     torch.set_num_threads(args.threads)
     if embed is None:
-        embed, lm_head, norm_weight = load_shared_target(resolve_target_dir(args.target_dir))
+        embed, lm_head, norm_weight = load_shared_target(resolve_target_dir(args.target_dir), args.device)
     corpus = load_corpus(Path(args.data) / "train", args.max_shards)
     drafter, opt, gen, step, extra = build(args, embed, lm_head, norm_weight)
     sampler = AnchorSampler(corpus, drafter.cfg.block_size)
     print(f"[train] {len(corpus)} sequences, {sampler.num_anchors} anchors, "
           f"{sum(p.numel() for p in drafter.parameters())} drafter params", flush=True)
-    weights = position_weights(drafter.cfg.block_size, args.gamma)
+    device = drafter.lm_head.weight.device
+    weights = position_weights(drafter.cfg.block_size, args.gamma).to(device)
     t0 = last_ckpt = time.monotonic()
     stop_step = min(args.max_steps, args.stop_at_step or args.max_steps)
     bar = tqdm(total=stop_step, initial=step, mininterval=args.log_seconds, file=sys.stderr, desc="train")
@@ -167,6 +169,7 @@ def train_drafter(args, embed=None, lm_head=None, norm_weight=None) -> dict:
     while step < stop_step and time.monotonic() - t0 < 60 * args.cpu_budget_minutes:
         batch = make_batch(corpus, sampler.sample(args.batch_size, gen), drafter.cfg.block_size,
                            drafter.cfg.context_window, drafter.cfg.mask_token_id)
+        batch = {k: v.to(device, non_blocking=True) for k, v in batch.items()}
         for group in opt.param_groups:
             group["lr"] = lr_at(step, args)
         loss, acc = block_loss(drafter, batch, weights)

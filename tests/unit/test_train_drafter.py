@@ -3,6 +3,7 @@
 import argparse
 from pathlib import Path
 
+import pytest
 import torch
 from torch import nn
 
@@ -176,3 +177,15 @@ def test_block_loss_ignores_masked_targets():
     expected = (ce[:, :2] * w[:2]).sum() / (3 * w[:2].sum())  # weighted mean over the kept targets only
     assert torch.allclose(loss.detach(), expected, rtol=1e-3)
     assert acc.shape == (3,) and acc[2] == 0
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="this torch sees a GPU: cuda is a valid device")
+@pytest.mark.parametrize("command", ["train-drafter", "eval-drafter"])
+def test_a_device_torch_cannot_use_is_refused_up_front(command, tmp_path, capsys):
+    """--device cuda on a CPU-only torch: exit 2 with the reason, before any data or model is read."""
+    from specmesh.cli import main
+
+    rc = main([command, "--device", "cuda", "--data", str(tmp_path / "none")])
+    assert rc == 2
+    assert "sees no CUDA GPU" in capsys.readouterr().err
+    assert not (tmp_path / "none").exists()
