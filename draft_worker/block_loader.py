@@ -76,7 +76,8 @@ def load_block_model(cfg: MeshConfig, embed: nn.Module | None = None, head: nn.M
         target_dir = resolve_model_dir(cfg.model.name, cfg.model.path)
         check_model_dir(target_dir, require_manifest=cfg.model.require_manifest and cfg.model.path is None)
         embed, head = shared_head(target_dir)
-    model = load_drafter(directory, embed, head, dtype=resolve_dtype(cfg.draft_worker.block.dtype, resolve_device(cfg.model.device)), verify=False)
+    dtype = resolve_dtype(cfg.draft_worker.block.dtype, resolve_device(cfg.model.device))
+    model = load_drafter(directory, embed, head, dtype=dtype, verify=False)
     spec = cfg.speculative
     if tuple(model.cfg.target_layers) != tuple(spec.feature_layers) or model.cfg.context_window != spec.feature_window:
         raise ConfigError(f"block drafter {directory} reads layers {list(model.cfg.target_layers)} over "

@@ -34,7 +34,8 @@ def up_mesh_kwargs(args) -> dict:
 
 
 def _cmd_probe(args) -> int:
-    from specmesh.health_probe import ClientTls, check_serving, probe_tls_for
+    from specmesh.health_probe import check_serving, probe_tls_for
+    from specmesh.rpc.client_tls import ClientTls
 
     tls = ClientTls()
     if args.role:

@@ -29,8 +29,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specmesh.config import MeshConfig
-from specmesh.health_probe import ClientTls, check_serving, probe_tls_for, wait_serving
+from specmesh.health_probe import check_serving, probe_tls_for, wait_serving
 from specmesh.procutil import wait_or_kill
+from specmesh.rpc.client_tls import ClientTls
 
 __all__ = ["Mesh", "Scale", "Child", "plan_addresses", "port_free", "check_serving", "wait_serving", "SERVICES"]
 

@@ -417,3 +417,40 @@ def hf_reference_runner(target_model, target_tokenizer, eos_token_id):
             return cache[key]
 
     return run
+
+
+# ---------------------------------------------------------------- the target alone, step by step
+
+def _prefill(model, prompt: list[int]):
+    from specmesh.engine.kv import batched_step, new_sequence_kv
+
+    kv = new_sequence_kv(model)
+    out = batched_step(model, [kv], [prompt])[0]
+    kv.append(out.new_keys, out.new_values)
+    return kv
+
+
+def _one_token_steps(model, prompt: list[int], tokens: list[int]):
+    """The target alone: prefill, then one forward per token -> [len(tokens), V] logits."""
+    from specmesh.engine.kv import batched_step
+
+    kv = _prefill(model, prompt)
+    rows = []
+    for t in tokens:
+        out = batched_step(model, [kv], [[t]])[0]
+        kv.append(out.new_keys, out.new_values)
+        rows.append(out.logits[0])
+    return torch.stack(rows)
+
+
+@pytest.fixture(scope="session")
+def prefilled():
+    """prefilled(model, prompt) -> a SequenceKV holding the prompt's KV (one unpadded prefill)."""
+    return _prefill
+
+
+@pytest.fixture(scope="session")
+def one_token_steps():
+    """one_token_steps(model, prompt, tokens) -> [len(tokens), V] float32 logits of the target alone
+    (prefill, then one one-token forward per token): the reference of every row-exact test."""
+    return _one_token_steps

@@ -106,7 +106,7 @@ def main(args) -> int:
 
     from specmesh.bench.compare import command_line, machine_info
     from specmesh.config import load_config
-    from specmesh.engine.loader import load_configured_model
+    from specmesh.engine.loader import dtype_name, load_configured_model
 
     cfg = load_config(args.config)
     threads = args.threads or cfg.runtime.torch_threads
@@ -118,7 +118,7 @@ def main(args) -> int:
     batches = [int(x) for x in args.micro_batch.split(",") if x]
     with tqdm(total=len(positions) * len(batches) * len(MODES), file=sys.stderr, disable=args.no_progress) as bar:
         rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar)
-    doc = {"command": command_line(), "model": str(model_dir), "dtype": str(next(model.parameters()).dtype).removeprefix("torch."),
+    doc = {"command": command_line(), "model": str(model_dir), "dtype": dtype_name(next(model.parameters()).dtype),
            "device": str(next(model.parameters()).device),
            "context": args.micro_context, "results": rows, "machine": machine_info()}
     out = Path(args.out)

@@ -265,10 +265,9 @@ def check_plan(modes: list[Mode], levels: list[Level]) -> str | None:
 
 def mesh_settings(cfg) -> dict:
     """The local config's numerics (what a stack this bench starts runs with)."""
-    from specmesh.engine.loader import resolve_device, resolve_dtype
+    from specmesh.engine.loader import dtype_name, resolve_device, resolve_dtype
 
-    dtype = resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))
-    return {"dtype": str(dtype).removeprefix("torch."), "batch_invariant": cfg.target_worker.batch_invariant,
+    return {"dtype": dtype_name(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))), "batch_invariant": cfg.target_worker.batch_invariant,
             "default_method": cfg.speculative.method}
 
 

@@ -178,7 +178,8 @@ def batched_step(
     if row_exact and (len(inputs) > 1 or len(inputs[0]) > 1):  # one row is the one-token step already
         if not rowexact.is_installed(model):
             raise RuntimeError("row_exact asked for, but rowexact.install(model) was not applied")
-        plan = rowexact.plan_from_mask(mask, [len(x) for x in inputs])  # before an all-visible mask is dropped
+        # before an all-visible mask is dropped; slot indices on the caches' device
+        plan = rowexact.plan_from_mask(mask, [len(x) for x in inputs], kvs[0].device)
     if bool(mask.all()):
         mask = None  # nothing to hide (one sequence, one new token): let SDPA take its unmasked kernel
     device = kvs[0].device

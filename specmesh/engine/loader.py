@@ -55,13 +55,18 @@ def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
 
 def resolve_dtype(name: str | torch.dtype, device: torch.device | str = "cpu") -> torch.dtype:
     """parse_dtype, plus 'auto': bfloat16 on a GPU that supports it or a CPU with native bf16
-    (cpu_has_native_bf16), else float32 (faster there, and bitwise-stable in any batch)."""
+    (cpu_has_native_bf16), else float32 (several times faster there)."""
     if str(name).strip().lower() != "auto":
         return parse_dtype(name)
     device = torch.device(device)
     if device.type == "cuda":
         return torch.bfloat16 if torch.cuda.is_bf16_supported() else torch.float16
     return torch.bfloat16 if cpu_has_native_bf16() else torch.float32
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """torch.bfloat16 -> 'bfloat16' (as the config spells it)."""
+    return str(dtype).removeprefix("torch.")
 
 
 def resolve_device(spec: str | torch.device | None) -> torch.device:

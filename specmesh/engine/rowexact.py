@@ -55,9 +55,10 @@ def active(plan: RowPlan):
         _PLAN.reset(token)
 
 
-def plan_from_mask(mask: torch.Tensor, counts: list[int]) -> RowPlan:
-    """mask: [B, 1, Q, S] bool (query j of row b sees slot s) -> the RowPlan of its real rows."""
-    slots = [[mask[b, 0, j].nonzero().flatten() for j in range(n)] for b, n in enumerate(counts)]
+def plan_from_mask(mask: torch.Tensor, counts: list[int], device: torch.device | str = "cpu") -> RowPlan:
+    """mask: [B, 1, Q, S] bool (query j of row b sees slot s) -> the RowPlan of its real rows,
+    its slot indices on `device` (the keys' device: moved once here, not per layer)."""
+    slots = [[mask[b, 0, j].nonzero().flatten().to(device) for j in range(n)] for b, n in enumerate(counts)]
     return RowPlan(list(counts), slots)
 
 
@@ -87,7 +88,7 @@ def _row_attention(module, query, key, value, attention_mask, **kwargs):
     out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
     for b, n in enumerate(plan.counts):
         for j in range(n):
-            idx = plan.slots[b][j].to(key.device)
+            idx = plan.slots[b][j]
             o, _ = sdpa_attention_forward(module, query[b : b + 1, :, j : j + 1], key[b : b + 1, :, idx],
                                           value[b : b + 1, :, idx], None, **kw)
             out[b, j] = o[0, 0]

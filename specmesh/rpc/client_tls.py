@@ -9,7 +9,8 @@ import grpc
 
 
 def read_pem(path: str | None) -> bytes | None:
-    """The file's bytes (None for None): certificates and keys are read at start, never re-read."""
+    """The file's bytes (None for None). Servers read them once at start; a ClientTls reads them
+    each time it makes a channel (a probe then sees rotated files)."""
     if path is None:
         return None
     with open(path, "rb") as f:

@@ -138,8 +138,8 @@ def generate_batch(model, prompt_ids: list[list[int]], max_new_tokens: int, eos_
     for i, p in enumerate(prompt_ids):
         ids[i, width - len(p):] = torch.tensor(p)
         mask[i, width - len(p):] = 1
-    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device), max_new_tokens=max_new_tokens,
-                         do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
+    out = model.generate(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                         max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos_id, pad_token_id=pad_id)
     responses = []
     for row in out[:, width:].tolist():
         cut = row.index(eos_id) + 1 if eos_id in row else len(row)
@@ -159,17 +159,23 @@ def right_padded(seqs: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 @torch.no_grad()
+def padded_hidden_states(model, seqs: list[list[int]]) -> tuple[torch.Tensor, ...]:
+    """One right-padded forward on the model's device -> HF hidden_states, each [B, W, H]."""
+    ids, mask = right_padded(seqs)
+    return model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
+                       output_hidden_states=True).hidden_states
+
+
+def host_features(hs: tuple[torch.Tensor, ...], row: int, start: int, end: int, target_layers) -> torch.Tensor:
+    """[end - start, len(layers) * H]: an owned bf16 copy on the host (not a view into the batch)."""
+    return extract_target_features([h[row, start:end] for h in hs], target_layers).to("cpu", torch.bfloat16, copy=True)
+
+
+@torch.no_grad()
 def target_features(model, seqs: list[list[int]], target_layers, starts: list[int]) -> list[torch.Tensor]:
     """Per sequence [L - start, len(layers) * H] bf16 features from one right-padded forward."""
-    ids, mask = right_padded(seqs)
-    hs = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                     output_hidden_states=True).hidden_states
-    feats = []
-    for i, s in enumerate(seqs):
-        per_seq = [h[i, starts[i]: len(s)] for h in hs]
-        # an owned bf16 copy on the host (not a view into the whole batch's hidden states)
-        feats.append(extract_target_features(per_seq, target_layers).to("cpu", torch.bfloat16, copy=True))
-    return feats
+    hs = padded_hidden_states(model, seqs)
+    return [host_features(hs, i, starts[i], len(s), target_layers) for i, s in enumerate(seqs)]
 
 
 def write_shards(out_dir: Path, prefix: str, num_rows: int, batch_size: int, minutes: float, make_shard) -> None:

@@ -21,8 +21,8 @@ import torch
 
 from specmesh.drafters.artifact import MANIFEST_NAME, load_drafter, write_manifest
 from specmesh.drafters.block import BlockDrafter
-from specmesh.training.corpus import Corpus, gather_context, load_corpus
 from specmesh.engine.loader import resolve_device, resolve_dtype
+from specmesh.training.corpus import Corpus, gather_context, load_corpus
 from specmesh.training.data import resolve_target_dir
 
 

@@ -27,24 +27,20 @@ from pathlib import Path
 
 import torch
 
-from specmesh.drafters.features import extract_target_features
 from specmesh.training.args import add_data_args
-from specmesh.training.data import (chat_prompt_ids, load_sharegpt_pairs, load_target, pkg_cache_dir,
-                                    right_padded, write_shards)
+from specmesh.training.data import (chat_prompt_ids, host_features, load_sharegpt_pairs, load_target,
+                                    padded_hidden_states, pkg_cache_dir, write_shards)
 
 
 @torch.no_grad()
 def features_and_labels(model, seqs: list[list[int]], target_layers, starts: list[int]):
     """One right-padded forward -> per sequence (features [L - start, F] bf16, labels [L] int64)."""
-    ids, mask = right_padded(seqs)  # [B, W] each
-    hs = model.model(input_ids=ids.to(model.device), attention_mask=mask.to(model.device),
-                     output_hidden_states=True).hidden_states
+    hs = padded_hidden_states(model, seqs)  # each [B, W, H]
     head = model.get_output_embeddings()
     out = []
     for i, s in enumerate(seqs):
         start, n = starts[i], len(s)
-        feats = extract_target_features([h[i, start:n] for h in hs], target_layers).to("cpu", torch.bfloat16,
-                                                                                        copy=True)
+        feats = host_features(hs, i, start, n, target_layers)
         # row j of logits (position start + j) predicts token start + j + 1
         pred = head(hs[-1][i, start: n - 1]).float().argmax(-1).cpu()  # [n - 1 - start]
         labels = torch.tensor(s, dtype=torch.long)

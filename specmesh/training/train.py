@@ -52,7 +52,7 @@ def block_loss(drafter: BlockDrafter, batch: dict[str, torch.Tensor], weights: t
     head = drafter.lm_head.weight
     with torch.autocast(head.device.type, dtype=torch.bfloat16, enabled=head.dtype == torch.bfloat16):
         h = drafter.hidden(batch["block_ids"], batch["ctx_feats"], batch["ctx_valid"])[:, 1:]  # [N, B-1, H]
-        logits = drafter.lm_head(h.to(drafter.lm_head.weight.dtype))  # [N, B-1, V]
+        logits = drafter.lm_head(h.to(head.dtype))  # [N, B-1, V]
     n, k, v = logits.shape
     targets = batch["targets"]  # [N, B-1], IGNORE where a teacher-forced chain left the target's path
     # bf16 CE (fp32 accumulation inside the kernel) is ~5x faster than fp32 on CPU

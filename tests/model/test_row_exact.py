@@ -12,27 +12,9 @@ import torch
 
 from specmesh.core.tree import tree_layout
 from specmesh.engine import rowexact
-from specmesh.engine.kv import batched_step, new_sequence_kv
+from specmesh.engine.kv import batched_step
 
 pytestmark = pytest.mark.model
-
-
-def _prefilled(model, prompt: list[int]):
-    kv = new_sequence_kv(model)
-    out = batched_step(model, [kv], [prompt])[0]
-    kv.append(out.new_keys, out.new_values)
-    return kv
-
-
-def _one_token_steps(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
-    """The target alone: prefill, then one forward per token -> [len(tokens), V] logits."""
-    kv = _prefilled(model, prompt)
-    rows = []
-    for t in tokens:
-        out = batched_step(model, [kv], [[t]])[0]
-        kv.append(out.new_keys, out.new_values)
-        rows.append(out.logits[0])
-    return torch.stack(rows)
 
 
 def _tokens(seed: int, n: int) -> list[int]:
@@ -44,22 +26,22 @@ def model(target_model_bf16):
     return rowexact.install(target_model_bf16)  # transparent unless a step asks for row_exact
 
 
-def test_chain_verify_is_bitwise_the_one_token_steps(model):
+def test_chain_verify_is_bitwise_the_one_token_steps(model, prefilled, one_token_steps):
     prompt, drafts = _tokens(0, 90), _tokens(1, 6)
-    ref = _one_token_steps(model, prompt, drafts)
-    kv = _prefilled(model, prompt)
+    ref = one_token_steps(model, prompt, drafts)
+    kv = prefilled(model, prompt)
     exact = batched_step(model, [kv], [drafts], row_exact=True)[0].logits
     assert torch.equal(exact, ref)
     batched = batched_step(model, [kv], [drafts])[0].logits
     print(f"without row_exact: max |logit diff| {float((batched - ref).abs().max()):.4f}")
 
 
-def test_padded_batch_rows_are_bitwise_each_sequence_alone(model):
+def test_padded_batch_rows_are_bitwise_each_sequence_alone(model, prefilled, one_token_steps):
     """Three sequences of different lengths and draft counts in one padded forward."""
     prompts = [_tokens(10, 40), _tokens(11, 73), _tokens(12, 9)]
     drafts = [_tokens(20, 5), _tokens(21, 2), _tokens(22, 1)]
-    refs = [_one_token_steps(model, p, d) for p, d in zip(prompts, drafts)]
-    kvs = [_prefilled(model, p) for p in prompts]
+    refs = [one_token_steps(model, p, d) for p, d in zip(prompts, drafts)]
+    kvs = [prefilled(model, p) for p in prompts]
     outs = batched_step(model, kvs, drafts, row_exact=True)
     for out, ref in zip(outs, refs):
         assert torch.equal(out.logits, ref)
@@ -68,17 +50,17 @@ def test_padded_batch_rows_are_bitwise_each_sequence_alone(model):
         kv.append(out.new_keys, out.new_values)
     nxt = batched_step(model, kvs, [[7], [8, 9], [10]], row_exact=True)
     for p, d, extra, out in zip(prompts, drafts, [[7], [8, 9], [10]], nxt):
-        assert torch.equal(out.logits, _one_token_steps(model, p, d + extra)[len(d):])
+        assert torch.equal(out.logits, one_token_steps(model, p, d + extra)[len(d):])
 
 
-def test_tree_nodes_are_bitwise_their_ancestor_path(model):
+def test_tree_nodes_are_bitwise_their_ancestor_path(model, prefilled, one_token_steps):
     """Node i sees the context and its ancestors; its logits equal the one-token steps along
     root -> ... -> i, whatever its siblings."""
     prompt = _tokens(30, 50)
     toks = _tokens(31, 6)  # node 0 = root (the pending token), then 5 drafted nodes
     parents = [-1, 0, 0, 1, 1, 2]  # over [root, drafts]; tree_layout takes the drafts' (root = -1)
     mask, depth = tree_layout([p - 1 for p in parents[1:]])
-    kv = _prefilled(model, prompt)
+    kv = prefilled(model, prompt)
     out = batched_step(model, [kv], [toks], new_masks=[mask], depths=[depth], row_exact=True)[0]
     for node in range(len(toks)):
         path, n = [], node
@@ -86,15 +68,15 @@ def test_tree_nodes_are_bitwise_their_ancestor_path(model):
             path.append(n)
             n = parents[n]
         path.reverse()
-        ref = _one_token_steps(model, prompt, [toks[i] for i in path])
+        ref = one_token_steps(model, prompt, [toks[i] for i in path])
         assert torch.equal(out.logits[node], ref[-1]), f"node {node} (path {path})"
 
 
-def test_equal_length_one_token_rows_are_bitwise_each_alone(model):
+def test_equal_length_one_token_rows_are_bitwise_each_alone(model, prefilled, one_token_steps):
     """Batched plain decoding (method off at concurrency > 1): sequences of the same length with
     one new token each leave nothing to mask, and the rows still take the one-token path."""
     prompts = [_tokens(50, 33), _tokens(51, 33), _tokens(52, 33)]
-    kvs = [_prefilled(model, p) for p in prompts]
+    kvs = [prefilled(model, p) for p in prompts]
     outs = batched_step(model, kvs, [[11], [12], [13]], row_exact=True)
     for p, t, out in zip(prompts, [11, 12, 13], outs):
-        assert torch.equal(out.logits, _one_token_steps(model, p, [t]))
+        assert torch.equal(out.logits, one_token_steps(model, p, [t]))

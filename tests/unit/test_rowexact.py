@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from specmesh.engine import rowexact
-from specmesh.engine.kv import batched_step, new_sequence_kv
+from specmesh.engine.kv import batched_step
 
 
 def _tiny(**extra):
@@ -18,13 +18,6 @@ def _tiny(**extra):
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128, **extra)
     return LlamaForCausalLM(cfg).float().eval()
-
-
-def _prefilled(model, prompt):
-    kv = new_sequence_kv(model)
-    out = batched_step(model, [kv], [prompt])[0]
-    kv.append(out.new_keys, out.new_values)
-    return kv
 
 
 def test_plan_lists_each_real_query_rows_visible_slots():
@@ -40,28 +33,22 @@ def test_plan_lists_each_real_query_rows_visible_slots():
     assert [s.tolist() for s in plan.slots[1]] == [[0, 1, 4]]
 
 
-def test_row_exact_refused_without_install():
+def test_row_exact_refused_without_install(prefilled):
     model = _tiny()
-    kv = _prefilled(model, [3, 4, 5])
+    kv = prefilled(model, [3, 4, 5])
     with pytest.raises(RuntimeError, match="install"):
         batched_step(model, [kv], [[1, 2]], row_exact=True)
 
 
-def test_installed_model_is_unchanged_without_a_plan_and_exact_with_one():
+def test_installed_model_is_unchanged_without_a_plan_and_exact_with_one(prefilled, one_token_steps):
     plain, installed = _tiny(), rowexact.install(_tiny())
     assert rowexact.install(installed) is installed and rowexact.is_installed(installed)
     prompt, drafts = [3, 9, 4, 17, 8], [5, 6, 7]
-    a = batched_step(plain, [_prefilled(plain, prompt)], [drafts])[0].logits
-    b = batched_step(installed, [_prefilled(installed, prompt)], [drafts])[0].logits
+    a = batched_step(plain, [prefilled(plain, prompt)], [drafts])[0].logits
+    b = batched_step(installed, [prefilled(installed, prompt)], [drafts])[0].logits
     assert torch.equal(a, b)  # same weights (seed 0), no plan: HF's own path
-    kv = _prefilled(installed, prompt)
-    steps = []
-    for t in drafts:
-        out = batched_step(installed, [kv], [[t]])[0]
-        kv.append(out.new_keys, out.new_values)
-        steps.append(out.logits[0])
-    exact = batched_step(installed, [_prefilled(installed, prompt)], [drafts], row_exact=True)[0].logits
-    assert torch.equal(exact, torch.stack(steps))
+    exact = batched_step(installed, [prefilled(installed, prompt)], [drafts], row_exact=True)[0].logits
+    assert torch.equal(exact, one_token_steps(installed, prompt, drafts))
 
 
 def test_sliding_window_models_are_refused():
@@ -73,11 +60,11 @@ def test_sliding_window_models_are_refused():
         rowexact.install(MistralForCausalLM(cfg).eval())
 
 
-def test_plan_is_used_when_nothing_needs_masking(monkeypatch):
+def test_plan_is_used_when_nothing_needs_masking(monkeypatch, prefilled):
     """Two sequences of equal length, one new token each: the verify mask is all-visible (and is
     dropped for SDPA), but each row must still be computed alone."""
     model = rowexact.install(_tiny())
-    kvs = [_prefilled(model, [3, 4, 5]), _prefilled(model, [6, 7, 8])]
+    kvs = [prefilled(model, [3, 4, 5]), prefilled(model, [6, 7, 8])]
     plans = []
     real = rowexact.active
 
