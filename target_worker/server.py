@@ -9,6 +9,7 @@ import sys
 import threading
 
 from specmesh.config import ConfigError
+from specmesh.engine import rowexact
 from specmesh.engine.loader import dtype_name, load_configured_model
 from specmesh.errors import ModelIntegrityError, Unavailable
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
@@ -108,8 +109,9 @@ def main(argv=None) -> int:
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
                           max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant)
     param = next(model.parameters())
-    log.info("target %s loaded: %s on %s, batch_invariant %s", model_dir, dtype_name(param.dtype), param.device,
-             wcfg.batch_invariant)
+    log.info("target %s loaded: %s on %s, batch_invariant %s%s", model_dir, dtype_name(param.dtype), param.device,
+             wcfg.batch_invariant, f" (batched rows bitwise per-row up to: {rowexact.probed(model)})"
+             if wcfg.batch_invariant else "")
     watch_target_engine(engine, c.max_tokens)
     servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
     service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,

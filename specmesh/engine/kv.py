@@ -200,8 +200,10 @@ def batched_step(
     for b, toks in enumerate(inputs):
         n = len(toks)
         # logits = h W^T computed in float32 (LM head and softmax in fp32 on every path);
-        # row-exact: one [1, H] x [H, V] product per row, as a one-token step computes it
-        rows = [final[b, j : j + 1] for j in range(n)] if plan is not None else [final[b, :n]]
+        # row-exact: one [1, H] x [H, V] product per row, as a one-token step computes it, unless
+        # n rows are within the head's probed invariant count (then one product is bitwise that)
+        per_row = plan is not None and n > rowexact.head_rows(model)
+        rows = [final[b, j : j + 1] for j in range(n)] if per_row else [final[b, :n]]
         logits = torch.cat([r.float() @ head.T for r in rows]).cpu()  # [n, V], on the host
         layers = cache.layers
         keys = [layers[i].keys[b, :, lmax : lmax + n] for i in range(len(layers))]

@@ -78,3 +78,44 @@ def test_plan_is_used_when_nothing_needs_masking(monkeypatch, prefilled):
     assert [s.tolist() for s in plans[0].slots[0]] == [[0, 1, 2, 3]]
     batched_step(model, kvs[:1], [[1]], row_exact=True)  # a single row needs no plan
     assert len(plans) == 1
+
+
+def test_invariant_rows_finds_the_first_row_count_that_changes_the_result():
+    w = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
+    rows = torch.randn(8, 3, generator=torch.Generator().manual_seed(2))
+
+    def drifts_from(m0):  # a "GEMM" whose kernel changes (and rounds differently) from m0 rows on
+        return lambda x: x @ w.T + (1e-3 if x.shape[0] >= m0 else 0.0)
+
+    assert rowexact.invariant_rows(lambda x: x @ w.T, rows) == 8
+    assert rowexact.invariant_rows(drifts_from(4), rows) == 3
+    assert rowexact.invariant_rows(drifts_from(2), rows) == 1
+    calls = iter(range(100))
+    assert rowexact.invariant_rows(lambda x: x @ w.T + next(calls), rows) == 0  # not even M=1 repeats
+
+
+def test_linears_batch_only_within_their_probed_row_count(monkeypatch, prefilled, one_token_steps):
+    """A probed count of 0 forces per-row calls, a large one the batched call; both are exact here
+    only because the probe said so -- the counts install found are what the worker runs with."""
+    model = rowexact.install(_tiny())
+    linears = [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
+    assert all(isinstance(m._specmesh_rows, int) for m in linears)
+    assert set(rowexact.probed(model)) >= {"lm_head float32"}
+    prompt, drafts = [3, 9, 4, 17, 8], [5, 6, 7]
+    shapes = []
+    real_linear = torch.nn.functional.linear
+
+    def spy(x, w, b=None):
+        shapes.append(tuple(x.shape[:-1]))
+        return real_linear(x, w, b)
+
+    monkeypatch.setattr(rowexact.F, "linear", spy)
+    for rows, expect in ((0, (1, 1)), (64, (3,))):
+        for m in linears:
+            m._specmesh_rows = rows
+        kv = prefilled(model, prompt)
+        shapes.clear()
+        out = batched_step(model, [kv], [drafts], row_exact=True)[0].logits
+        assert set(shapes) == {expect}
+        if rows == 0 or all(rowexact.probe_rows(m.weight, m.bias, 3) >= 3 for m in linears):
+            assert torch.equal(out, one_token_steps(model, prompt, drafts))
