@@ -73,6 +73,7 @@ def plan_from_mask(mask: torch.Tensor, counts: list[int], device: torch.device |
 
 PROBE_ROWS = 64  # largest batched row count probed for the decoder's linears
 PROBE_HEAD_ROWS = 32  # ... and for the LM head (a bigger GEMM: V x H)
+PROBE_TRIALS = 4  # random draws per probe; the smallest count found wins
 
 
 def invariant_rows(fn, rows: torch.Tensor) -> int:
@@ -84,9 +85,6 @@ def invariant_rows(fn, rows: torch.Tensor) -> int:
         if not torch.equal(fn(rows[:m]), singles[:m]):
             return m - 1
     return rows.shape[0]
-
-
-PROBE_TRIALS = 4
 
 
 def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
