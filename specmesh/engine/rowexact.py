@@ -142,7 +142,10 @@ def _row_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     out = x.new_zeros((*x.shape[:-1], self.out_features))
     for b, n in enumerate(plan.counts):
         for j in range(n):
-            out[b, j : j + 1] = F.linear(x[b : b + 1, j : j + 1], self.weight, self.bias)[0]
+            # the row as a 2-D [1, in] matrix: one mm, as the one-token step's folded [1, 1, in] input.
+            # (A [1, 1, in] slice of a wider batch does not fold when no weight needs grad: matmul
+            # then expands W and runs bmm, copying W every call.)
+            out[b, j : j + 1] = F.linear(x[b, j : j + 1], self.weight, self.bias)
     return out
 
 

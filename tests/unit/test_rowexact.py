@@ -110,7 +110,7 @@ def test_linears_batch_only_within_their_probed_row_count(monkeypatch, prefilled
         return real_linear(x, w, b)
 
     monkeypatch.setattr(rowexact.F, "linear", spy)
-    for rows, expect in ((0, (1, 1)), (64, (3,))):
+    for rows, expect in ((0, (1,)), (64, (3,))):
         for m in linears:
             m._specmesh_rows = rows
         kv = prefilled(model, prompt)
