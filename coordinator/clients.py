@@ -48,6 +48,14 @@ class GrpcTargetClient:
         self.channel = make_channel(address)
         self.stub = pb_grpc.TargetWorkerStub(self.channel)
 
+    def _raise(self, err: grpc.RpcError) -> None:
+        """The typed error of a failed call. This client never cancels its own (blocking) calls, so
+        CANCELLED means the worker cancelled it, i.e. it is stopping: UNAVAILABLE, so the loop fails
+        the sequence over instead of failing the request."""
+        if hasattr(err, "code") and err.code() == grpc.StatusCode.CANCELLED:
+            raise Unavailable(f"target worker {self.address}: call cancelled by the worker ({err.details()})") from err
+        raise_from_rpc(err, f"target worker {self.address}")
+
     def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float) -> int:
         return self.prefill_outcome(seq_id, prompt, params, timeout).token
 
@@ -60,7 +68,7 @@ class GrpcTargetClient:
         try:
             resp = self.stub.Prefill(req, timeout=timeout)
         except grpc.RpcError as err:
-            raise_from_rpc(err, f"target worker {self.address}")
+            self._raise(err)
         return PrefillOutcome(resp.token_id, features_from_pb(resp.features))
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
@@ -74,20 +82,20 @@ class GrpcTargetClient:
         try:
             resp = self.stub.Verify(req, timeout=timeout)
         except grpc.RpcError as err:
-            raise_from_rpc(err, f"target worker {self.address}")
+            self._raise(err)
         return VerifyOutcome(resp.accepted, list(resp.token_ids), resp.bonus, features_from_pb(resp.features))
 
     def release(self, seq_id: str) -> None:
         try:
             self.stub.Release(pb.ReleaseRequest(seq_id=seq_id), timeout=5.0)
         except grpc.RpcError as err:
-            raise_from_rpc(err, f"target worker {self.address}")
+            self._raise(err)
 
     def status(self, timeout: float = 5.0) -> pb.WorkerStatusResponse:
         try:
             return self.stub.Status(pb.WorkerStatusRequest(), timeout=timeout)
         except grpc.RpcError as err:
-            raise_from_rpc(err, f"target worker {self.address}")
+            self._raise(err)
 
     def close(self) -> None:
         self.channel.close()

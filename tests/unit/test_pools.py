@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import time
+
+import grpc
 from collections import Counter
 
 import pytest
 
-from coordinator.clients import GrpcDraftPool, TargetPool
+from coordinator.clients import GrpcDraftPool, GrpcTargetClient, TargetPool
 from coordinator.loop import Generation
 from specmesh.core.types import DraftProposal, GenerationRequest, SamplingParams, VerifyOutcome
-from specmesh.errors import NotFound, Unavailable
+from specmesh.errors import InvalidArgument, NotFound, Unavailable
 from specmesh.registry import WorkerRecord
 
 
@@ -189,3 +191,34 @@ def test_no_other_target_fails_unavailable_never_hangs():
     g = gen(ScriptTarget("a", die_after=3), lambda t: ScriptTarget(f"n{len(t)}", die_after=0), max_reroutes=2)
     with pytest.raises(Unavailable, match="failed 2 time"):
         list(g.run())
+
+
+class _Rpc(grpc.RpcError):
+    def __init__(self, code):
+        self._code = code
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return "Cancelling all calls"
+
+
+@pytest.mark.parametrize("code, expected", [(grpc.StatusCode.CANCELLED, Unavailable),
+                                            (grpc.StatusCode.UNAVAILABLE, Unavailable),
+                                            (grpc.StatusCode.INVALID_ARGUMENT, InvalidArgument)])
+def test_target_client_reads_a_worker_side_cancel_as_unavailable(code, expected):
+    """A stopping target worker cancels its in-flight calls; the loop fails over only on
+    UNAVAILABLE, so CANCELLED (never sent by this client, whose calls block) must map to it."""
+    client = GrpcTargetClient("127.0.0.1:1")
+
+    class Stub:
+        def Verify(self, *_a, **_k):
+            raise _Rpc(code)
+
+    client.stub = Stub()
+    try:
+        with pytest.raises(expected, match="target worker 127.0.0.1:1"):
+            client.verify("s", DraftProposal(token_ids=[1, 2]), timeout=1.0)
+    finally:
+        client.close()
