@@ -40,6 +40,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from specmesh.engine.loader import dtype_name
+
 ATTN_NAME = "specmesh_row_exact"
 
 
@@ -217,6 +219,6 @@ def probed(model: torch.nn.Module) -> dict[str, int]:
     for mod in model.model.modules():
         if isinstance(mod, torch.nn.Linear) and hasattr(mod, "_specmesh_rows"):
             w = mod.weight
-            out[f"{w.shape[0]}x{w.shape[1]} {str(w.dtype).replace('torch.', '')}"] = mod._specmesh_rows
+            out[f"{w.shape[0]}x{w.shape[1]} {dtype_name(w.dtype)}"] = mod._specmesh_rows
     out["lm_head float32"] = head_rows(model)
     return out
