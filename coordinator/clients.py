@@ -56,13 +56,16 @@ class GrpcTargetClient:
             raise Unavailable(f"target worker {self.address}: call cancelled by the worker ({err.details()})") from err
         raise_from_rpc(err, f"target worker {self.address}")
 
-    def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float) -> int:
-        return self.prefill_outcome(seq_id, prompt, params, timeout).token
+    def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float,
+                max_new_tokens: int = 0) -> int:
+        return self.prefill_outcome(seq_id, prompt, params, timeout, max_new_tokens=max_new_tokens).token
 
     def prefill_outcome(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float,
-                        features: FeatureSpec | None = None) -> PrefillOutcome:
-        """Prefill; with `features`, also the prompt's block-drafter features."""
-        req = pb.PrefillRequest(seq_id=seq_id, prompt=prompt, sampling=sampling_to_pb(params))
+                        features: FeatureSpec | None = None, max_new_tokens: int = 0) -> PrefillOutcome:
+        """Prefill; with `features`, also the prompt's block-drafter features. max_new_tokens: what
+        the sequence may still generate (the worker reserves its KV for it)."""
+        req = pb.PrefillRequest(seq_id=seq_id, prompt=prompt, sampling=sampling_to_pb(params),
+                                max_new_tokens=max_new_tokens)
         if features is not None:
             req.return_features.CopyFrom(feature_request_to_pb(features))
         try:
@@ -132,12 +135,14 @@ class TargetLease:
         self.address = member.address
         self._released = False
 
-    def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float) -> int:
-        return self._call(self.client.prefill, seq_id, prompt, params, timeout)
+    def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float,
+                max_new_tokens: int = 0) -> int:
+        return self._call(self.client.prefill, seq_id, prompt, params, timeout, max_new_tokens=max_new_tokens)
 
     def prefill_outcome(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float,
-                        features: FeatureSpec | None = None) -> PrefillOutcome:
-        return self._call(self.client.prefill_outcome, seq_id, prompt, params, timeout, features)
+                        features: FeatureSpec | None = None, max_new_tokens: int = 0) -> PrefillOutcome:
+        return self._call(self.client.prefill_outcome, seq_id, prompt, params, timeout, features,
+                          max_new_tokens=max_new_tokens)
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
                features: FeatureSpec | None = None) -> VerifyOutcome:
@@ -156,9 +161,9 @@ class TargetLease:
                 self._released = True
                 self.pool.members.done(self.member)
 
-    def _call(self, fn, *args):
+    def _call(self, fn, *args, **kwargs):
         try:
-            return fn(*args)
+            return fn(*args, **kwargs)
         except Unavailable:
             self.pool.members.mark_down(self.member, self.pool.retry_after_s)
             raise

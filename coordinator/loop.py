@@ -42,7 +42,8 @@ log = logging.getLogger(__name__)
 
 
 class TargetClient(Protocol):
-    def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float) -> int: ...
+    def prefill(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float,
+                max_new_tokens: int = 0) -> int: ...
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float) -> VerifyOutcome: ...
     def release(self, seq_id: str) -> None: ...
 
@@ -223,10 +224,11 @@ class Generation:
 
     def _prefill(self, context: list[int]) -> int:
         """Prefill context on self.target; with the block drafter, keep the features it returns."""
+        left = max(0, self.req.max_tokens - len(self.out.token_ids))  # the worker reserves KV for it
         if not self._wants_features():
-            return self.target.prefill(self.seq_id, context, self.req.params, self._call_timeout())
+            return self.target.prefill(self.seq_id, context, self.req.params, self._call_timeout(), max_new_tokens=left)
         out = self.target.prefill_outcome(self.seq_id, context, self.req.params, self._call_timeout(),
-                                          self.feature_spec)
+                                          self.feature_spec, max_new_tokens=left)
         if out.features is not None:
             self.feed = self.feed or FeatureFeed(self.feature_spec.max_rows or out.features.shape[0])
             self.feed.reset(out.features, len(context))

@@ -26,7 +26,8 @@ from specmesh.core.sampling import make_generator, sample, warp_logits
 from specmesh.core.tree import build_tree
 from specmesh.core.types import DraftProposal, SamplingParams
 from specmesh.engine.batcher import Batcher
-from specmesh.engine.kv import SequenceKV, batched_step, new_sequence_kv
+from specmesh.engine.kv import batched_step
+from specmesh.engine.pool import SequenceKV, new_sequence_kv
 from specmesh.errors import InvalidArgument
 
 
@@ -138,7 +139,7 @@ class ModelDrafter(_BatchedDrafter):
         context tokens still to forward (at least one, so its logits exist)."""
         entry = self._cache.take(job.seq_id)
         if entry is None:
-            entry = _Cached(new_sequence_kv(self.model, capacity=len(job.context) + 64), [])
+            entry = _Cached(new_sequence_kv(self.model, capacity=len(job.context) + 64), [])  # a private pool
         shared = 0
         limit = min(len(entry.tokens), len(job.context) - 1)
         while shared < limit and entry.tokens[shared] == job.context[shared]:
@@ -156,11 +157,12 @@ class ModelDrafter(_BatchedDrafter):
         inputs = list(pending)
         active = list(range(len(jobs)))
         while active:
-            outs = batched_step(self.model, [entries[b].kv for b in active], [inputs[b] for b in active])
+            outs = batched_step(self.model, [entries[b].kv for b in active], [inputs[b] for b in active],
+                                logits_rows=[[len(inputs[b]) - 1] for b in active])
             for b, out in zip(active, outs):
-                entries[b].kv.append(out.new_keys, out.new_values)
+                entries[b].kv.commit(len(inputs[b]))
                 entries[b].tokens += inputs[b]
-                q = warp_logits(out.logits[-1:], jobs[b].params)  # [1, V] draft distribution
+                q = warp_logits(out.logits, jobs[b].params)  # [1, V] draft distribution
                 token = int(sample(q, gens[b])[0]) if not jobs[b].params.greedy else int(q[0].argmax())
                 drafts[b].append(token)
                 probs[b].append(q[0])

@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 BYTES = {"bfloat16": 2, "float16": 2, "float32": 4}
+ROUND_SLOTS = 65  # KV slots one verify round may write past a sequence: pending + the largest tree / chain
 
 
 @dataclass(frozen=True)
@@ -107,11 +108,16 @@ class Plan:
     def bpe(self) -> int:
         return BYTES[self.dtype]
 
+    @property
+    def pool_tokens(self) -> int:
+        """target_worker.cache.max_tokens for this load: each sequence reserves its context plus the
+        slots of one round's drafts (target_worker/engine.py ROUND_SLOTS) in the KV pool."""
+        return self.concurrency * (self.context + ROUND_SLOTS)
+
     def tiers(self) -> dict:
         t, n, T, k, b = self.target, self.concurrency, self.context, self.k, self.bpe
         target = {"weights": t.params * b,
-                  "kv_cache": t.kv_bytes_per_token(b) * T * n,
-                  "verify_kv": t.kv_bytes_per_token(b) * (k + 1) * n,
+                  "kv_cache": t.kv_bytes_per_token(b) * self.pool_tokens,  # the pool, allocated at start
                   "verify_logits_fp32": (k + 1) * t.vocab * 4 * n}
         draft = {"weights": 0, "kv_cache": 0, "propose_kv": 0, "propose_logits_fp32": 0}
         if self.draft is not None:
@@ -127,7 +133,7 @@ class Plan:
                 "bytes_per_element": self.bpe, "kv_bytes_per_token": self.target.kv_bytes_per_token(self.bpe),
                 "bytes": self.tiers(),
                 "config": {"target_worker.cache.max_sequences": self.concurrency,
-                           "target_worker.cache.max_tokens": self.concurrency * self.context}}
+                           "target_worker.cache.max_tokens": self.pool_tokens}}
 
     def text(self) -> str:
         t, b, n, T, k = self.target, self.bpe, self.concurrency, self.context, self.k
@@ -141,9 +147,8 @@ class Plan:
             "",
             f"target worker ({n} concurrent sequences x {T} tokens, k = {k})",
             _row("weights", f"{t.params:,} params x {b} B", tw["weights"]),
-            _row("KV cache", f"2 x {t.layers} x {t.kv_heads} x {t.head_dim} x {T} tokens x {n} seqs x {b} B",
+            _row("KV pool", f"2 x {t.layers} x {t.kv_heads} x {t.head_dim} x {self.pool_tokens} slots x {b} B",
                  tw["kv_cache"]),
-            _row("verify KV", f"(k+1) = {k + 1} positions x {n} seqs", tw["verify_kv"]),
             _row("verify logits", f"{k + 1} x {t.vocab} vocab x 4 B (fp32) x {n} seqs", tw["verify_logits_fp32"]),
             _row("total", "", tw["total"]),
             "",
@@ -164,8 +169,9 @@ class Plan:
                 _row("total", "", dw["total"]),
             ]
         lines += ["", "add per process: the Python/torch runtime (~0.5-1 GiB on CPU; the CUDA context on a GPU);",
-                  "KV buffers grow by doubling, so up to 2x the KV cache line can be allocated at peak.",
-                  f"config: target_worker.cache.max_sequences: {n}, target_worker.cache.max_tokens: {n * T}"]
+                  f"the KV pool holds {n} x ({T} context + one round's draft slots) and is allocated once at start",
+                  "(drafts are verified in place inside it; a CPU commits its pages as they are first written).",
+                  f"config: target_worker.cache.max_sequences: {n}, target_worker.cache.max_tokens: {self.pool_tokens}"]
         return "\n".join(lines)
 
 

@@ -198,7 +198,9 @@ class DraftWorkerConfig:
 @dataclass(frozen=True)
 class CacheConfig:
     max_sequences: int = 64  # live sequences (KV caches) held at once
-    max_tokens: int = 262144  # total tokens across all held KV caches
+    # KV pool slots, allocated at start (specmesh/engine/pool.py): every held token plus each live
+    # sequence's reserved headroom; `specmesh plan` gives the bytes
+    max_tokens: int = 65536
     idle_timeout_s: float = 300.0  # a sequence nobody touches this long is reclaimed
     reclaim_interval_s: float = 5.0
 
@@ -216,14 +218,17 @@ class TargetWorkerConfig:
     cache: CacheConfig = field(default_factory=CacheConfig)
     max_workers: int = 64
     drain_timeout_s: float = 30.0  # SIGTERM: take no new sequence, finish live ones up to this long
-    # verify with one-token kernels row by row (and prefill unpadded): output bitwise the target
-    # alone's in any dtype and batch; false: one batched GEMM, faster under load, near-tie flips
-    batch_invariant: bool = True
+    # deterministic verification: one-token kernels per row (in chunks the start-up probe proves
+    # bitwise) and prefills unpacked, so output is bitwise the target alone's in any dtype and batch;
+    # false: one GEMM over the batch, near-tie flips possible; auto: on exactly where the probe
+    # finds it nearly free on this machine (specmesh/engine/rowexact.py), logged at start
+    batch_invariant: bool | str = "auto"
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
         _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
         self.cache.validate(f"{key}.cache")
+        _check(self.batch_invariant in (True, False, "auto"), f"{key}.batch_invariant", "must be true, false or auto")
         _check(self.drain_timeout_s >= 0, f"{key}.drain_timeout_s", "must be >= 0")
 
 

@@ -49,7 +49,12 @@ def _coerce(tp, value, key: str):
             _check(type(None) in typing.get_args(tp), key, "may not be null")
             return None
         inner = [a for a in typing.get_args(tp) if a is not type(None)]
-        return _coerce(inner[0], value, key)
+        for option in inner[:-1]:  # e.g. bool | str: true/false as booleans, anything else the string
+            try:
+                return _coerce(option, value, key)
+            except ConfigError:
+                pass
+        return _coerce(inner[-1], value, key)
     if origin is tuple:
         if isinstance(value, str):
             value = [v.strip() for v in value.split(",") if v.strip()]

@@ -23,13 +23,15 @@ from dataclasses import dataclass, field
 
 import torch
 
+from specmesh.capacity import ROUND_SLOTS  # slots one round may write past the cache
 from specmesh.core.rejection import verify as verify_round
 from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout, verify_tree
 from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.engine import rowexact
 from specmesh.engine.batcher import Batcher
-from specmesh.engine.kv import SequenceKV, StepOutput, batched_step, new_sequence_kv
+from specmesh.engine.kv import StepOutput, batched_step
+from specmesh.engine.pool import SequenceKV, new_pool
 from specmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 
 log = logging.getLogger(__name__)
@@ -43,7 +45,9 @@ class Sequence:
     generator: torch.Generator
     pending: int | None = None  # last emitted token, not yet in the cache
     last_used: float = field(default_factory=time.monotonic)
-    busy: bool = False  # a prefill/verify job is queued or running
+    busy: bool = False  # a caller holds the sequence for a prefill/verify
+    inflight: bool = False  # its job is with the model thread (queued or running)
+    released: bool = False  # dropped from the table; its pool range is freed once no job is in flight
 
 
 @dataclass(frozen=True)
@@ -60,17 +64,32 @@ class VerifyJob:
     features: FeatureSpec | None = None
 
 
+DEFAULT_RESERVE = 512  # new tokens reserved for a sequence whose Prefill does not say (it grows past)
+
+
+def resolve_batch_invariant(model, setting: bool | str) -> bool:
+    """true / false as given; "auto": probe (rowexact.install) and turn it on only where the probe
+    finds deterministic verification nearly free on this machine (rowexact.cheap)."""
+    if setting == "auto":
+        return rowexact.cheap(rowexact.install(model))
+    return bool(setting)
+
+
 class TargetEngine:
     def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float,
-                 max_queue: int = 1024, batch_invariant: bool = False):
-        # batch_invariant: verify row by row with one-token kernels and prefill unpadded, so the
+                 max_queue: int = 1024, batch_invariant: bool | str = False):
+        # batch_invariant: verify with one-token kernels row by row and prefill unpacked, so the
         # output is bitwise the target alone's whatever the batch (specmesh/engine/rowexact.py)
-        self.model = rowexact.install(model) if batch_invariant else model
-        self.batch_invariant = batch_invariant
+        self.batch_invariant = resolve_batch_invariant(model, batch_invariant)
+        self.model = rowexact.install(model) if self.batch_invariant else model
         cfg = model.config.get_text_config()
         self.vocab_size, self.num_layers = cfg.vocab_size, cfg.num_hidden_layers
         self.context_window = getattr(cfg, "max_position_embeddings", None) or 1 << 30
+        if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
+            # pool attention reads every slot: keep sequences inside the window, where that is exact
+            self.context_window = min(self.context_window, int(cfg.sliding_window))
         self.max_sequences, self.max_tokens, self.idle_timeout_s = max_sequences, max_tokens, idle_timeout_s
+        self.pool = new_pool(model, max_tokens)  # the KV of every sequence, allocated once (pool.py)
         self._seqs: dict[str, Sequence] = {}
         self._lock = threading.Lock()
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="target-batcher")
@@ -81,16 +100,18 @@ class TargetEngine:
         return self.prefill_outcome(seq_id, prompt, params, timeout).token
 
     def prefill_outcome(self, seq_id: str, prompt: list[int], params: SamplingParams, timeout: float | None = None,
-                        features: FeatureSpec | None = None) -> PrefillOutcome:
+                        features: FeatureSpec | None = None, max_new_tokens: int = 0) -> PrefillOutcome:
+        """max_new_tokens: what the caller may still generate (0: unknown); the sequence's pool
+        range is reserved for it up front, so it never has to move."""
         self._check_features(features)
         if not prompt:
             raise InvalidArgument("prompt", "must hold at least one token")
         self._check_tokens(prompt, "prompt")
         if len(prompt) >= self.context_window:
             raise InvalidArgument("prompt", f"{len(prompt)} tokens do not fit the {self.context_window}-token window")
-        seq = self._admit(seq_id, params, len(prompt))
+        seq = self._admit(seq_id, params, len(prompt), max_new_tokens)
         try:
-            return self.batcher.submit("prefill", PrefillJob(seq, prompt, features)).result(timeout)
+            return self._run_job("prefill", PrefillJob(seq, prompt, features), timeout)
         except BaseException:
             self.release(seq_id)
             raise
@@ -103,18 +124,47 @@ class TargetEngine:
             raise InvalidArgument("draft_probs", f"shape {tuple(draft.probs.shape)} != [k, {self.vocab_size}]")
         depth = self._check_tree(draft)
         seq = self._claim(seq_id)
-        if seq.kv.length + 1 + depth > self.context_window:
-            seq.busy = False
-            raise InvalidArgument("draft_token_ids", "round would run past the context window")
         try:
-            return self.batcher.submit("verify", VerifyJob(seq, draft, features)).result(timeout)
+            if seq.kv.length + 1 + depth > self.context_window:
+                raise InvalidArgument("draft_token_ids", "round would run past the context window")
+            seq.kv.ensure(seq.kv.length + 1 + len(draft.token_ids))  # Unavailable when the pool is full
+            return self._run_job("verify", VerifyJob(seq, draft, features), timeout)
         finally:
             seq.busy = False
             seq.last_used = time.monotonic()
 
     def release(self, seq_id: str) -> bool:
         with self._lock:
-            return self._seqs.pop(seq_id, None) is not None
+            seq = self._seqs.pop(seq_id, None)
+            if seq is None:
+                return False
+            seq.released = True
+            if not seq.inflight:  # else the job's end frees it (_job_done): never under a running step
+                seq.kv.release()
+            return True
+
+    def _run_job(self, kind: str, job, timeout: float | None):
+        """Submit one job for its sequence and wait; a job given up on before it ran is cancelled."""
+        seq = job.seq
+        with self._lock:
+            seq.inflight = True
+        try:
+            future = self.batcher.submit(kind, job)
+        except BaseException:
+            self._job_done(seq)
+            raise
+        try:
+            return future.result(timeout)
+        except BaseException:
+            if future.cancel():  # never reached the model thread
+                self._job_done(seq)
+            raise
+
+    def _job_done(self, seq: Sequence) -> None:
+        with self._lock:
+            seq.inflight = False
+            if seq.released:
+                seq.kv.release()
 
     def reclaim_idle(self, now: float | None = None) -> list[str]:
         """Drop sequences untouched for idle_timeout_s (a coordinator that vanished mid-request)."""
@@ -122,7 +172,10 @@ class TargetEngine:
         with self._lock:
             stale = [s for s, q in self._seqs.items() if not q.busy and now - q.last_used > self.idle_timeout_s]
             for s in stale:
-                del self._seqs[s]
+                q = self._seqs.pop(s)
+                q.released = True
+                if not q.inflight:
+                    q.kv.release()
         if stale:
             log.info("reclaimed %d idle sequence(s)", len(stale))
         return stale
@@ -151,6 +204,10 @@ class TargetEngine:
         with self._lock:
             return sum(s.kv.nbytes() for s in self._seqs.values())
 
+    def reserved_tokens(self) -> int:
+        """Pool slots owned by live sequences (held tokens plus each one's reserved headroom)."""
+        return self.pool.max_tokens - self.pool.free_tokens()
+
     def close(self) -> None:
         self.batcher.close()
 
@@ -176,17 +233,20 @@ class TargetEngine:
         except ValueError as exc:
             raise InvalidArgument("draft_parents", str(exc)) from None
 
-    def _admit(self, seq_id: str, params: SamplingParams, prompt_len: int) -> Sequence:
+    def _admit(self, seq_id: str, params: SamplingParams, prompt_len: int, max_new: int = 0) -> Sequence:
         with self._lock:
             if seq_id in self._seqs:
                 raise FailedPrecondition(f"sequence {seq_id} already exists")
             if len(self._seqs) >= self.max_sequences:
                 raise Unavailable(f"KV cache full: {len(self._seqs)} live sequences")
-            held = sum(s.kv.length for s in self._seqs.values())
-            if held + prompt_len > self.max_tokens:
-                raise Unavailable(f"KV cache full: {held} of {self.max_tokens} tokens held")
-            seq = Sequence(seq_id, new_sequence_kv(self.model, capacity=prompt_len + 64), params,
-                           make_generator(params.seed), busy=True)
+            if prompt_len + 1 > self.pool.max_tokens:
+                raise Unavailable(f"KV cache full: a {prompt_len}-token prompt exceeds the {self.pool.max_tokens}-token pool")
+            want = min(prompt_len + (max_new or DEFAULT_RESERVE) + ROUND_SLOTS, self.context_window + ROUND_SLOTS)
+            try:
+                kv = self.pool.allocate(want)
+            except Unavailable:  # no range with headroom: the prompt alone, grown round by round
+                kv = self.pool.allocate(prompt_len + 1)
+            seq = Sequence(seq_id, kv, params, make_generator(params.seed), busy=True)
             self._seqs[seq_id] = seq
             return seq
 
@@ -195,7 +255,7 @@ class TargetEngine:
             seq = self._seqs.get(seq_id)
             if seq is None:
                 raise NotFound(f"sequence {seq_id} is not held by this worker (released or reclaimed)")
-            if seq.busy or seq.pending is None:
+            if seq.busy or seq.inflight or seq.pending is None:
                 raise FailedPrecondition(f"sequence {seq_id} has a round in flight")
             seq.busy = True
             seq.last_used = time.monotonic()
@@ -203,6 +263,13 @@ class TargetEngine:
 
     # ------------------------------------------------------------------ model thread
     def _run_batch(self, kind: str, jobs: list) -> list:
+        try:
+            return self._run_jobs(kind, jobs)
+        finally:
+            for job in jobs:
+                self._job_done(job.seq)
+
+    def _run_jobs(self, kind: str, jobs: list) -> list:
         self.last_batch_sizes = (self.last_batch_sizes + [len(jobs)])[-256:]
         # HF hidden_states indices of every requested decoder layer (layer l -> index l + 1)
         hidden = tuple(sorted({layer + 1 for j in jobs if j.features for layer in j.features.layers}))
@@ -211,15 +278,18 @@ class TargetEngine:
         return self._run_verify(jobs, hidden)
 
     def _run_prefill(self, jobs: list[PrefillJob], hidden: tuple[int, ...] = ()) -> list[PrefillOutcome]:
-        if self.batch_invariant:  # each prompt alone: no padding, the target-alone prefill exactly
-            outs = [batched_step(self.model, [j.seq.kv], [j.prompt], hidden_layers=hidden)[0] for j in jobs]
+        last = [[len(j.prompt) - 1] for j in jobs]  # logits of the last prompt position only
+        if self.batch_invariant:  # each prompt alone: unpacked, the target-alone prefill exactly
+            outs = [batched_step(self.model, [j.seq.kv], [j.prompt], hidden_layers=hidden, logits_rows=[r])[0]
+                    for j, r in zip(jobs, last)]
         else:
-            outs = batched_step(self.model, [j.seq.kv for j in jobs], [j.prompt for j in jobs], hidden_layers=hidden)
+            outs = batched_step(self.model, [j.seq.kv for j in jobs], [j.prompt for j in jobs], hidden_layers=hidden,
+                                logits_rows=last)
         firsts = []
         for job, out in zip(jobs, outs):
             seq = job.seq
-            seq.kv.append(out.new_keys, out.new_values)
-            first = verify_round(out.logits[-1:], DraftProposal([]), seq.params, seq.generator).tokens[0]
+            seq.kv.commit(len(job.prompt))
+            first = verify_round(out.logits, DraftProposal([]), seq.params, seq.generator).tokens[0]
             seq.pending, seq.busy, seq.last_used = first, False, time.monotonic()
             rows = None
             if job.features is not None:  # the last max_rows prompt positions
@@ -242,7 +312,10 @@ class TargetEngine:
             else:
                 outcome, path = verify_tree(out.logits, draft.token_ids, draft.parents, seq.params, seq.generator)
                 keep = torch.tensor(path)  # the accepted root path, root (pending) first
-            seq.kv.append(out.new_keys, out.new_values, keep=keep)
+            if draft.parents is None:
+                seq.kv.commit(len(keep))  # [pending, d_1..d_n] are in place; rejected slots are dropped
+            else:
+                seq.kv.commit(0, keep=keep)  # the accepted root path moved down (at most k slots)
             seq.pending = outcome.tokens[-1]
             feats = _features(out, hidden, job.features, keep)
             results.append(outcome if feats is None else dataclasses.replace(outcome, features=feats))

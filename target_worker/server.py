@@ -40,7 +40,8 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
         features = feature_request_from_pb(request)  # None: no features asked, none computed
         with self._slot(context):
             out = self.engine.prefill_outcome(request.seq_id, list(request.prompt), sampling_from_pb(request.sampling),
-                                              timeout=context.time_remaining(), features=features)
+                                              timeout=context.time_remaining(), features=features,
+                                              max_new_tokens=max(0, request.max_new_tokens))
         return pb.PrefillResponse(token_id=out.token, features=features_to_pb(out.features))
 
     def Verify(self, request, context):
@@ -109,9 +110,11 @@ def main(argv=None) -> int:
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
                           max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant)
     param = next(model.parameters())
-    log.info("target %s loaded: %s on %s, batch_invariant %s%s", model_dir, dtype_name(param.dtype), param.device,
-             wcfg.batch_invariant, f" (batched rows bitwise per-row up to: {rowexact.probed(model)})"
-             if wcfg.batch_invariant else "")
+    log.info("target %s loaded: %s on %s, KV pool %d tokens (%.1f MB), batch_invariant %s -> %s%s", model_dir,
+             dtype_name(param.dtype), param.device, engine.pool.max_tokens, engine.pool.nbytes() / 1e6,
+             wcfg.batch_invariant, engine.batch_invariant,
+             f" (probed: batched rows bitwise the one-row calls up to {rowexact.probed(model)})"
+             if rowexact.is_installed(model) else "")
     watch_target_engine(engine, c.max_tokens)
     servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
     service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,

@@ -17,10 +17,8 @@ torch's default). Servers run in-process, so their batcher threads use the same 
 
 from __future__ import annotations
 
-import copy
 import os
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -339,18 +337,6 @@ class Reference:
         return msg
 
 
-class Fp32Head(torch.nn.Module):
-    """LM head computing logits = h.float() @ W.float().T, the same matmul as specmesh.engine.kv."""
-
-    def __init__(self, weight: torch.Tensor):
-        super().__init__()
-        self.register_buffer("weight32", weight.detach().float().contiguous(), persistent=False)
-
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        flat = hidden.reshape(-1, hidden.shape[-1]).float()  # [N, H] fp32
-        return (flat @ self.weight32.T).reshape(*hidden.shape[:-1], -1)
-
-
 @pytest.fixture(scope="session")
 def hf_reference(target_model, target_tokenizer, eos_token_id):
     """HF greedy reference on the session model (MODEL_TEST_DTYPE); see hf_reference_runner."""
@@ -359,7 +345,7 @@ def hf_reference(target_model, target_tokenizer, eos_token_id):
 
 @pytest.fixture(scope="session")
 def hf_reference_bf16(target_model_bf16, target_tokenizer, eos_token_id):
-    """HF greedy reference on the bf16 model (fp32 LM head); see hf_reference_runner."""
+    """HF greedy reference on the bf16 model; see hf_reference_runner."""
     return hf_reference_runner(target_model_bf16, target_tokenizer, eos_token_id)
 
 
@@ -372,19 +358,14 @@ def hf_reference_runner(target_model, target_tokenizer, eos_token_id):
     special tokens; or explicit prompt_ids), eos = generation_config eos (id 2), stopping after
     max_tokens new tokens or after EOS (which is included).
 
-    The LM head is replaced by a float32 one (hidden states cast to fp32, multiplied by the
-    fp32 weight), because specmesh computes the LM head in fp32 (engine/kv.py). With the bf16
-    head, logits are bf16: at |logit| ~ 20 their ulp is 0.125, so the top two logits TIE often,
-    and plain bf16 HF generate then picks the lower token index — a different token from the
-    fp32 argmax for reasons that have nothing to do with the engine. The model is shallow-copied
-    with its own module dict so the shared session model keeps its original head.
+    The model's own LM head, in its dtype, as specmesh runs it (engine/kv.lm_head): the reference
+    is what users run. (In bf16 the logits are bf16 and at |logit| ~ 20 their ulp is 0.125, so
+    the top two tie now and then; both sides take the lower token index.)
 
     Runs are memoised per (prompt ids, max_tokens); Reference.logits holds the fp32 logits of
     every step so a failing identity test can report the reference gap between the two tokens.
     """
-    ref_model = copy.copy(target_model)
-    ref_model._modules = OrderedDict(target_model._modules)  # own module dict: shared children
-    ref_model.lm_head = Fp32Head(target_model.get_output_embeddings().weight)
+    ref_model = target_model
     cache: dict = {}
     lock = threading.Lock()
 
@@ -424,9 +405,9 @@ def hf_reference_runner(target_model, target_tokenizer, eos_token_id):
 def _prefill(model, prompt: list[int]):
     from specmesh.engine.kv import batched_step, new_sequence_kv
 
-    kv = new_sequence_kv(model)
-    out = batched_step(model, [kv], [prompt])[0]
-    kv.append(out.new_keys, out.new_values)
+    kv = new_sequence_kv(model, len(prompt) + 80)
+    batched_step(model, [kv], [prompt], logits_rows=[[len(prompt) - 1]])
+    kv.commit(len(prompt))
     return kv
 
 
@@ -438,7 +419,7 @@ def _one_token_steps(model, prompt: list[int], tokens: list[int]):
     rows = []
     for t in tokens:
         out = batched_step(model, [kv], [[t]])[0]
-        kv.append(out.new_keys, out.new_values)
+        kv.commit(1)
         rows.append(out.logits[0])
     return torch.stack(rows)
 

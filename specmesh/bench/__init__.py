@@ -50,9 +50,14 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--target-workers", type=int, default=1, help="local stack: target worker processes")
     p.add_argument("--micro", action="store_true", help="time the target's verify forward alone instead")
     p.add_argument("--micro-context", type=int, default=256, help="--micro: KV tokens per sequence")
-    p.add_argument("--micro-positions", default="1,2,4,8,16", help="--micro: new positions per sequence")
-    p.add_argument("--micro-batch", default="1,4,16", help="--micro: sequences per forward")
+    p.add_argument("--micro-positions", default="1,5,9", help="--micro: new positions per sequence (chains)")
+    p.add_argument("--micro-trees", default="16", help="--micro: draft-tree node budgets (each + the pending token)")
+    p.add_argument("--micro-batch", default="1,16", help="--micro: sequences per forward")
     p.add_argument("--micro-repeats", type=int, default=5)
+    p.add_argument("--context", action="store_true",
+                   help="decode cost vs context length, a long neighbour, target RSS (bench/context.py)")
+    p.add_argument("--context-repeats", type=int, default=3, help="--context: requests per alone measurement")
+    p.add_argument("--context-soak", type=int, default=500, help="--context: short requests for the RSS soak")
     return p
 
 
@@ -61,6 +66,10 @@ def run(args: argparse.Namespace) -> int:
         from specmesh.bench.micro import main as micro_main
 
         return micro_main(args)
+    if args.context:
+        from specmesh.bench.context import main as context_main
+
+        return context_main(args)
     from specmesh.bench.suite import main as suite_main
 
     return suite_main(args)

@@ -21,38 +21,63 @@ from specmesh.bench.metrics import percentile
 
 
 def _prefill(model, n: int, context: int, gen: torch.Generator, vocab: int, chunk: int = 4) -> list:
-    """n sequences of `context` random tokens, their KV filled (a few sequences per forward)."""
-    from specmesh.engine.kv import batched_step, new_sequence_kv
+    """n sequences of `context` random tokens, their KV filled in one shared pool (as the target
+    worker holds them), a few sequences per forward."""
+    from specmesh.engine.kv import batched_step
+    from specmesh.engine.pool import new_pool
 
-    kvs = [new_sequence_kv(model, capacity=context + 64) for _ in range(n)]
+    pool = new_pool(model, n * (context + 80))
+    kvs = [pool.allocate(context + 80) for _ in range(n)]
     for start in range(0, n, chunk):
         part = kvs[start:start + chunk]
         prompts = [torch.randint(0, vocab, (context,), generator=gen).tolist() for _ in part]
-        for kv, out in zip(part, batched_step(model, part, prompts)):
-            kv.append(out.new_keys, out.new_values)
+        batched_step(model, part, prompts, logits_rows=[[context - 1]] * len(part))
+        for kv in part:
+            kv.commit(context)
     return kvs
+
+
+def tree_mask(nodes: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """A random prefix-closed tree of `nodes` drafts under the pending token, as [pending, nodes]:
+    its ancestor mask [N + 1, N + 1] and depths [N + 1] (specmesh.core.tree)."""
+    from specmesh.core.tree import tree_layout
+
+    parents = [-1] + [int(torch.randint(-1, i, (1,), generator=gen)) for i in range(nodes - 1)]
+    return tree_layout(parents)
 
 
 MODES = ("batched", "batch_invariant")
 
 
 def time_forward(model, kvs: list, positions: int, repeats: int, gen: torch.Generator, vocab: int,
-                 row_exact: bool = False) -> list[float]:
-    """Seconds of each of `repeats` forwards of `positions` new tokens per sequence."""
+                 row_exact: bool = False, tree: int = 0) -> list[float]:
+    """Seconds of each of `repeats` forwards of `positions` new tokens per sequence (tree > 0:
+    [pending, a random tree of `tree` nodes] with its ancestor mask). Nothing is committed, so
+    every forward writes the same slots past each cache."""
     from specmesh.engine.kv import batched_step
 
+    masks = depths = None
+    if tree:
+        positions = tree + 1
+        layouts = [tree_mask(tree, gen) for _ in kvs]
+        masks, depths = [m for m, _ in layouts], [d for _, d in layouts]
     inputs = [torch.randint(0, vocab, (positions,), generator=gen).tolist() for _ in kvs]
-    batched_step(model, kvs, inputs, row_exact=row_exact)  # warm-up (allocator, kernels)
+
+    def step():
+        batched_step(model, kvs, inputs, new_masks=masks, depths=depths, row_exact=row_exact)
+
+    step()  # warm-up (allocator, kernels)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
-        batched_step(model, kvs, inputs, row_exact=row_exact)
+        step()
         times.append(time.perf_counter() - t0)
     return times
 
 
-def run_micro(model, context: int = 256, positions=(1, 2, 4, 8, 16), batches=(1, 4, 16), repeats: int = 5,
-              seed: int = 0, progress=None, modes=MODES) -> list[dict]:
+def run_micro(model, context: int = 256, positions=(1, 5, 9), batches=(1, 16), repeats: int = 5,
+              seed: int = 0, progress=None, modes=MODES, trees=(16,)) -> list[dict]:
+    """Median ms of one forward per (mode, batch, positions or tree)."""
     from specmesh.engine import rowexact
 
     if "batch_invariant" in modes:
@@ -60,26 +85,51 @@ def run_micro(model, context: int = 256, positions=(1, 2, 4, 8, 16), batches=(1,
     gen = torch.Generator().manual_seed(seed)
     vocab = model.config.get_text_config().vocab_size
     kvs = _prefill(model, max(batches), context, gen, vocab)
+    shapes = [(q, 0) for q in positions] + [(t + 1, t) for t in trees]
     rows = []
     for b in batches:
-        for q in positions:
+        for q, tree in shapes:
             for mode in modes:
-                times = time_forward(model, kvs[:b], q, repeats, gen, vocab, row_exact=mode == "batch_invariant")
+                times = time_forward(model, kvs[:b], q, repeats, gen, vocab, row_exact=mode == "batch_invariant",
+                                     tree=tree)
                 med = percentile(times, 50)
-                rows.append({"mode": mode, "batch": b, "positions": q, "context": context, "median_ms": med * 1e3,
-                             "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3,
+                rows.append({"mode": mode, "batch": b, "positions": q, "tree": tree, "context": context,
+                             "median_ms": med * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3,
                              "positions_per_s": b * q / med, "repeats": repeats})
                 if progress is not None:
                     progress.update(1)
     return rows
 
 
+def _label(q: int, tree: int) -> str:
+    return f"tree of {tree} (+ pending)" if tree else str(q)
+
+
+def ratios(rows: list[dict]) -> list[str]:
+    """The engine targets as lines: each cell / the one-token step at batch 1 (same mode), and the
+    deterministic mode / the default."""
+    cell = {(r.get("mode", "batched"), r["batch"], r["positions"], r.get("tree", 0)): r["median_ms"] for r in rows}
+    out = []
+    for mode in MODES:
+        one = cell.get((mode, 1, 1, 0))
+        if not one:
+            continue
+        for (m, b, q, t), ms in sorted(cell.items()):
+            if m == mode and (b, q, t) != (1, 1, 0):
+                out.append(f"- {mode}: batch {b} x {_label(q, t)} = {ms / one:.2f}x the one-token step"
+                           + (f" ({ms / cell[(mode, 1, q, t)]:.2f}x batch 1)" if b > 1 and (mode, 1, q, t) in cell else ""))
+    for (m, b, q, t), ms in sorted(cell.items()):
+        if m == "batch_invariant" and ("batched", b, q, t) in cell:
+            out.append(f"- deterministic / default, batch {b} x {_label(q, t)}: {ms / cell[('batched', b, q, t)]:.2f}x")
+    return out
+
+
 def micro_markdown(doc: dict) -> str:
     rows = doc["results"]
     batches = sorted({r["batch"] for r in rows})
-    positions = sorted({r["positions"] for r in rows})
+    shapes = sorted({(r["positions"], r.get("tree", 0)) for r in rows}, key=lambda x: (x[1] > 0, x))
     modes = [m for m in MODES if any(r.get("mode", "batched") == m for r in rows)]
-    cell = {(r.get("mode", "batched"), r["batch"], r["positions"]): r for r in rows}
+    cell = {(r.get("mode", "batched"), r["batch"], r["positions"], r.get("tree", 0)): r for r in rows}
     m = doc["machine"]
     lines = [f"## specmesh bench --micro: one verify forward (batched_step), context {doc['context']} tokens",
              "", f"`{doc['command']}`", "",
@@ -89,11 +139,12 @@ def micro_markdown(doc: dict) -> str:
     for mode in modes:
         lines += [f"**{mode}**", "", "| positions Q | " + " | ".join(f"batch {b}" for b in batches) + " |",
                   "|---|" + "---|" * len(batches)]
-        for q in positions:
-            cells = [f"{c['median_ms']:.1f} ({c['positions_per_s']:.0f}/s)" if (c := cell.get((mode, b, q))) else "-"
+        for q, t in shapes:
+            cells = [f"{c['median_ms']:.1f} ({c['positions_per_s']:.0f}/s)" if (c := cell.get((mode, b, q, t))) else "-"
                      for b in batches]
-            lines.append(f"| {q} | " + " | ".join(cells) + " |")
+            lines.append(f"| {_label(q, t)} | " + " | ".join(cells) + " |")
         lines.append("")
+    lines += ["**Ratios**", ""] + ratios(rows) + [""]
     return "\n".join(lines)
 
 
@@ -116,8 +167,11 @@ def main(args) -> int:
                                              cfg.model.require_manifest, cfg.model.device)
     positions = [int(x) for x in args.micro_positions.split(",") if x]
     batches = [int(x) for x in args.micro_batch.split(",") if x]
-    with tqdm(total=len(positions) * len(batches) * len(MODES), file=sys.stderr, disable=args.no_progress) as bar:
-        rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar)
+    trees = [int(x) for x in getattr(args, "micro_trees", "16").split(",") if x]
+    total = (len(positions) + len(trees)) * len(batches) * len(MODES)
+    with tqdm(total=total, file=sys.stderr, disable=args.no_progress) as bar:
+        rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar,
+                         trees=trees)
     doc = {"command": command_line(), "model": str(model_dir), "dtype": dtype_name(next(model.parameters()).dtype),
            "device": str(next(model.parameters()).device),
            "context": args.micro_context, "results": rows, "machine": machine_info()}

@@ -24,25 +24,34 @@ from specmesh.engine.kv import batched_step, new_sequence_kv
 
 
 def _ar(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
-    kv = new_sequence_kv(model)
-    out = batched_step(model, [kv], [prompt])[0]
-    kv.append(out.new_keys, out.new_values)
+    kv = new_sequence_kv(model, len(prompt) + n)
+    out = batched_step(model, [kv], [prompt], logits_rows=[[len(prompt) - 1]])[0]
+    kv.commit(len(prompt))
     tokens, logits = [int(out.logits[-1].argmax())], [out.logits[-1]]
     while len(tokens) < n:
         out = batched_step(model, [kv], [[tokens[-1]]])[0]
-        kv.append(out.new_keys, out.new_values)
+        kv.commit(1)
         tokens.append(int(out.logits[-1].argmax()))
         logits.append(out.logits[-1])
     return tokens, logits
 
 
+def hf_generate(model, prompt: list[int], n: int) -> list[int]:
+    """Plain HF greedy `generate` (its own DynamicCache and SDPA): what users run as the target."""
+    with torch.inference_mode():
+        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                             max_new_tokens=n, min_new_tokens=n, do_sample=False, pad_token_id=0)
+    return out[0, len(prompt):].tolist()
+
+
 def _spec(model, prompts: list[list[int]], n: int, k: int, row_exact: bool = False) -> list[list[int]]:
     """Chain speculation with n-gram drafts; all prompts' rounds batched into one forward."""
-    kvs, outs = [new_sequence_kv(model) for _ in prompts], []
-    prefills = ([batched_step(model, [kv], [p])[0] for kv, p in zip(kvs, prompts)] if row_exact
-                else batched_step(model, kvs, prompts))
-    for kv, out in zip(kvs, prefills):
-        kv.append(out.new_keys, out.new_values)
+    kvs, outs = [new_sequence_kv(model, len(p) + n + k + 1) for p in prompts], []
+    last = [[len(p) - 1] for p in prompts]
+    prefills = ([batched_step(model, [kv], [p], logits_rows=[r])[0] for kv, p, r in zip(kvs, prompts, last)]
+                if row_exact else batched_step(model, kvs, prompts, logits_rows=last))
+    for kv, p, out in zip(kvs, prompts, prefills):
+        kv.commit(len(p))
         outs.append([int(out.logits[-1].argmax())])
     while any(len(o) < n for o in outs):
         live = [b for b, o in enumerate(outs) if len(o) < n]
@@ -52,8 +61,7 @@ def _spec(model, prompts: list[list[int]], n: int, k: int, row_exact: bool = Fal
                              row_exact=row_exact)
         for b, d, step in zip(live, drafts, steps):
             res = verify_greedy(step.logits, d)
-            keep = res.accepted + 1
-            kvs[b].append([x[:, :keep] for x in step.new_keys], [x[:, :keep] for x in step.new_values])
+            kvs[b].commit(res.accepted + 1)
             outs[b] += res.tokens
     return [o[:n] for o in outs]
 
@@ -66,15 +74,19 @@ def _first_diff(ref: list[int], got: list[int], logits: list[torch.Tensor]) -> d
     return None
 
 
-def measure(model, prompts: list[list[int]], n: int, k: int, row_exact: bool = False) -> dict:
+def measure(model, prompts: list[list[int]], n: int, k: int, row_exact: bool = False, vs_hf: bool = False) -> dict:
     ar = [_ar(model, p, n) for p in prompts]
     single = [_spec(model, [p], n, k, row_exact)[0] for p in prompts]
     batched = _spec(model, prompts, n, k, row_exact)
+    hf = [hf_generate(model, p, n) for p in prompts] if vs_hf else [None] * len(prompts)
     rows = []
-    for i, ((ref, logits), s, b) in enumerate(zip(ar, single, batched)):
+    for i, ((ref, logits), s, b, h) in enumerate(zip(ar, single, batched, hf)):
         rows.append({"prompt": i, "spec_batch1": _first_diff(ref, s, logits),
                      "spec_batched": _first_diff(ref, b, logits)})
-    identical = {key: sum(r[key] is None for r in rows) for key in ("spec_batch1", "spec_batched")}
+        if vs_hf:  # the mesh's AR against plain HF generate, same dtype (gap from the mesh's logits)
+            rows[-1]["ar_vs_hf_generate"] = _first_diff(ref, h, logits)
+    keys = ("spec_batch1", "spec_batched") + (("ar_vs_hf_generate",) if vs_hf else ())
+    identical = {key: sum(r[key] is None for r in rows) for key in keys}
     return {"prompts": len(prompts), "max_tokens": n, "k": k, "batch_invariant": row_exact, "identical": identical,
             "rows": rows}
 
@@ -92,6 +104,8 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-invariant", action="store_true", help="verify row-exact (target_worker.batch_invariant)")
+    p.add_argument("--vs-hf", action="store_true", help="also compare the AR with plain HF generate (same dtype)")
+    p.add_argument("--dataset", default="mt-bench")
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -102,19 +116,19 @@ def main(argv=None) -> int:
 
         rowexact.install(model)
     encoder = PromptEncoder.from_model_dir(model_dir)
-    items = load_dataset("mt-bench", limit=args.limit)
+    items = load_dataset(args.dataset, limit=args.limit)
     prompts = [encoder.encode(it.prompt, it.messages) for it in items]
     t0 = time.time()
-    result = measure(model, prompts, args.max_tokens, args.k, args.batch_invariant)
-    result.update(dtype=args.dtype, dataset="mt-bench", seconds=round(time.time() - t0, 1))
+    result = measure(model, prompts, args.max_tokens, args.k, args.batch_invariant, args.vs_hf)
+    result.update(dtype=args.dtype, dataset=args.dataset, seconds=round(time.time() - t0, 1))
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:
             f.write(text + "\n")
     print(json.dumps({k: v for k, v in result.items() if k != "rows"}))
     for row in result["rows"]:
-        for key in ("spec_batch1", "spec_batched"):
-            if row[key]:
+        for key in ("spec_batch1", "spec_batched", "ar_vs_hf_generate"):
+            if row.get(key):
                 print(f"prompt {row['prompt']} {key}: flip at {row[key]['position']}, gap {row[key]['gap']:.4f}")
     return 0
 

@@ -1,154 +1,162 @@
-"""Per-sequence KV caches and one batched forward over sequences of different lengths.
+"""One forward over a batch of sequences, reading and writing their KV in place (pool.py).
 
-Every sequence owns its KV (one SequenceKV). A batched step right-pads the caches of the
-sequences in the batch into one DynamicCache, appends each sequence's new tokens after the
-padding, and masks with an explicit 4-D boolean mask:
+The batch is packed, as vLLM packs it: the new tokens of every sequence, one after another, form
+one row of T = sum(q_b) tokens, so the linears run once over T rows and nothing is padded.
 
-    slot layout per row b:  [ own KV 0..L_b-1 | padding L_b..Lmax-1 | new tokens Lmax..Lmax+Q-1 ]
-    query j of row b may see: own KV slots, and new slot Lmax+i iff new_mask[b][j, i]
-    position of query j of row b: L_b + depth_b[j]
+    input_ids, position_ids: [1, T]      position of new token j of sequence b: L_b + depth_b[j]
+    sequence b's rows:       [off_b, off_b + q_b)
 
-The default new_mask is causal (i <= j) and depth = j: plain chain verification. A tree verify
-passes its ancestor mask and node depths instead. The same code serves prefill (L_b = 0, new =
-prompt), verification (new = [last token, drafts...]) and AR drafting (new = one token).
-The LM head runs in float32 on the final hidden states, for every path alike.
+Attention is the only part that sees sequences apart. It runs per sequence, inside the model's
+layers, through an attention function registered with transformers (`specmesh_pool`), so any HF
+causal LM built on the attention interface works unchanged. For layer l and sequence b it
+1. writes the q_b new keys/values into the sequence's pool slots [L_b, L_b + q_b), in place;
+2. attends the q_b queries to slots [0, L_b + q_b) read in place (a strided view, no copy):
+   a chain with a causal mask over the new rows, a tree with its ancestor mask, a one-token step
+   (or one row of a deterministic verify) with no mask at all, a prefill of an empty cache with
+   is_causal. Each is HF's own SDPA call (grouped-query heads by enable_gqa, keys never
+   repeated), so a one-token step or a prefill computes what HF generate computes, bit for bit.
 
-Device: the caches live on the model's device (cpu or a GPU). Inputs and masks are built on the
-host and moved once per step; the per-sequence logits and hidden states come back on the host
-(sampling and the wire format are host-side), the new KV slots stay on the device.
+Nothing is committed: the caller keeps what it accepted with `SequenceKV.commit` (rejected drafts
+are dropped by bookkeeping; a tree moves its accepted path's slots down, at most k of them).
+The LM head runs in the model's dtype on the rows that need logits only (a prefill: its last);
+logits come back as float32 on the host. With row_exact every position is computed with the
+kernels of a one-token step (rowexact.py for the linears; here: attention row by row over exactly
+the slots the row sees), so its logits are bitwise the target alone's.
 """
 
 from __future__ import annotations
 
-import contextlib
+import contextvars
 from dataclasses import dataclass
 
 import torch
-from transformers import DynamicCache
+import torch.nn.functional as F
 
 from specmesh.engine import rowexact
+from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
+
+ATTN_NAME = "specmesh_pool"
 
 
-class SequenceKV:
-    """One sequence's keys/values for every layer, in growable buffers.
+@dataclass
+class _Seq:
+    """One sequence of a step. mask: [n, L + n] bool on the device (None: all visible);
+    slots: row_exact tree rows, the visible slot indices of each row (None for chains)."""
 
-    keys[l], values[l]: [kv_heads, capacity, head_dim]; slots [0, length) are valid.
-    """
+    kv: SequenceKV
+    offset: int
+    n: int
+    causal: bool = False
+    mask: torch.Tensor | None = None
+    slots: list[torch.Tensor] | None = None
 
-    def __init__(self, num_layers: int, kv_heads: int, head_dim: int, dtype: torch.dtype, capacity: int = 256,
-                 device: torch.device | str = "cpu"):
-        self.num_layers, self.kv_heads, self.head_dim, self.dtype = num_layers, kv_heads, head_dim, dtype
-        self.device = torch.device(device)
-        self.length = 0
-        shape = (kv_heads, capacity, head_dim)
-        self.keys = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
-        self.values = [torch.empty(shape, dtype=dtype, device=self.device) for _ in range(num_layers)]
 
-    @property
-    def capacity(self) -> int:
-        return self.keys[0].shape[1]
+@dataclass
+class _Plan:
+    seqs: list[_Seq]
+    row_exact: bool
 
-    def nbytes(self) -> int:
-        """Bytes of the valid part (what the cache holds for this sequence)."""
-        per_slot = 2 * self.num_layers * self.kv_heads * self.head_dim * self.keys[0].element_size()
-        return per_slot * self.length
 
-    def _grow(self, needed: int) -> None:
-        cap = self.capacity
-        if needed <= cap:
-            return
-        new_cap = max(needed, 2 * cap)
-        for store in (self.keys, self.values):
-            for i, buf in enumerate(store):
-                grown = torch.empty((self.kv_heads, new_cap, self.head_dim), dtype=self.dtype, device=self.device)
-                grown[:, : self.length] = buf[:, : self.length]
-                store[i] = grown
-
-    def append(self, new_keys: list[torch.Tensor], new_values: list[torch.Tensor], keep: torch.Tensor | None = None) -> None:
-        """Append new slots. new_keys[l]: [kv_heads, Q, head_dim]; keep: [n] slot indices into Q
-        (e.g. the accepted path of a tree), default all Q in order."""
-        if keep is not None:
-            keep = keep.to(self.device)
-            new_keys = [k.index_select(1, keep) for k in new_keys]
-            new_values = [v.index_select(1, keep) for v in new_values]
-        n = new_keys[0].shape[1]
-        self._grow(self.length + n)
-        for layer in range(self.num_layers):
-            self.keys[layer][:, self.length : self.length + n] = new_keys[layer]
-            self.values[layer][:, self.length : self.length + n] = new_values[layer]
-        self.length += n
-
-    def truncate(self, length: int) -> None:
-        """Drop slots >= length (drafts that were rejected)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of {self.length} slots to {length}")
-        self.length = length
+_PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("specmesh_pool_plan", default=None)
 
 
 @dataclass
 class StepOutput:
     """Per-sequence result of one batched step."""
 
-    logits: torch.Tensor  # [Q_b, V] float32: logits at each new token
-    new_keys: list[torch.Tensor]  # per layer [kv_heads, Q_b, head_dim]: KV of the new tokens
-    new_values: list[torch.Tensor]
+    logits: torch.Tensor  # [r, V] float32 on the host: the rows asked for (default: every new row)
     hidden_states: tuple[torch.Tensor, ...] | None = None  # per HF hidden-state index [Q_b, H], when asked
 
 
-def lm_head_fp32(model: torch.nn.Module) -> torch.Tensor:
-    """The LM head weight [V, H] as float32, converted once per model and kept on it."""
-    head = getattr(model, "_specmesh_head_fp32", None)
-    if head is None:
-        head = model.get_output_embeddings().weight.detach().float().contiguous()
-        model._specmesh_head_fp32 = head
-    return head
+def _sdpa(q, k, v, mask, causal: bool, scale):
+    """HF's own SDPA call (transformers' sdpa_attention_forward without a mask): grouped-query heads
+    by enable_gqa, so keys are read in place, never repeated. q: [1, heads, n, D]; k, v: [1,
+    kv_heads, S, D]; mask: [n, S] bool or None."""
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
+                                          enable_gqa=q.shape[1] != k.shape[1])
 
 
-def new_sequence_kv(model: torch.nn.Module, capacity: int = 256) -> SequenceKV:
-    cfg = model.config.get_text_config()
-    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
-    kv_heads = getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads
-    param = next(model.parameters())
-    return SequenceKV(cfg.num_hidden_layers, kv_heads, head_dim, param.dtype, capacity, param.device)
+def pool_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
+    """query: [1, heads, T, D]; key/value: [1, kv_heads, T, D] (the packed new rows, RoPE applied)
+    -> ([1, T, heads, D], None). Outside batched_step: HF's own SDPA path, unchanged."""
+    plan = _PLAN.get()
+    if plan is None:
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                      dropout=dropout, **kwargs)
+    layer = module.layer_idx
+    heads, d = query.shape[1], query.shape[3]
+    out = query.new_empty((query.shape[2], heads, d))  # [T, heads, D]
+    for s in plan.seqs:
+        a, n, length = s.offset, s.n, s.kv.length
+        s.kv.write(layer, key[0, :, a : a + n], value[0, :, a : a + n])
+        k, v = s.kv.keys(layer, length + n)[None], s.kv.values(layer, length + n)[None]  # [1, kv_heads, L + n, D]
+        if plan.row_exact and n > 1:
+            for j in range(n):  # the one-token step's call: one query row, exactly its slots, unmasked
+                kj, vj = ((k[:, :, : length + j + 1], v[:, :, : length + j + 1]) if s.slots is None
+                          else (k.index_select(2, s.slots[j]), v.index_select(2, s.slots[j])))
+                out[a + j] = _sdpa(query[:, :, a + j : a + j + 1], kj, vj, None, False, scaling)[0, :, 0]
+            continue
+        o = _sdpa(query[:, :, a : a + n], k, v, s.mask, s.causal, scaling)  # [1, heads, n, D]
+        out[a : a + n] = o[0].transpose(0, 1)
+    return out.unsqueeze(0), None
 
 
-def _padded_cache(kvs: list[SequenceKV]) -> tuple[DynamicCache, int]:
-    """Right-pad every sequence's KV to the longest; returns the cache and Lmax."""
-    lmax = max(kv.length for kv in kvs)
-    ref = kvs[0]
-    layers = []
-    for layer in range(ref.num_layers):
-        k = torch.zeros((len(kvs), ref.kv_heads, lmax, ref.head_dim), dtype=ref.dtype, device=ref.device)
-        v = torch.zeros_like(k)
-        for b, kv in enumerate(kvs):
-            k[b, :, : kv.length] = kv.keys[layer][:, : kv.length]
-            v[b, :, : kv.length] = kv.values[layer][:, : kv.length]
-        layers.append((k, v))
-    return DynamicCache(layers), lmax
+def pool_mask(*args, **kwargs):
+    """transformers' mask for this attention: none inside a step (pool_attention knows each
+    sequence's visible slots), HF's SDPA mask otherwise (generate on the same model, any thread)."""
+    from transformers.masking_utils import sdpa_mask
+
+    return None if _PLAN.get() is not None else sdpa_mask(*args, **kwargs)
 
 
-def _batch_inputs(kvs, inputs, new_masks, depths):
-    """Build input_ids [B, Q], position_ids [B, Q] and the boolean mask [B, 1, Q, Lmax + Q]."""
-    q = max(len(x) for x in inputs)
-    lmax = max(kv.length for kv in kvs)
-    bsz = len(kvs)
-    ids = torch.zeros((bsz, q), dtype=torch.long)
-    pos = torch.zeros((bsz, q), dtype=torch.long)
-    mask = torch.zeros((bsz, 1, q, lmax + q), dtype=torch.bool)
-    causal = torch.tril(torch.ones((q, q), dtype=torch.bool))
+def attach(model: torch.nn.Module) -> torch.nn.Module:
+    """Route the model's attention through pool_attention; outside a step (HF generate on the same
+    model object) it is HF's SDPA path with HF's masks, unchanged. Idempotent."""
+    if getattr(model, "_specmesh_pool_attn", False):
+        return model
+    from transformers import AttentionInterface
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    AttentionInterface.register(ATTN_NAME, pool_attention)
+    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, pool_mask)
+    model.set_attn_implementation(ATTN_NAME)
+    model._specmesh_pool_attn = True
+    return model
+
+
+def _plan(kvs, inputs, new_masks, depths, row_exact: bool) -> tuple[_Plan, list[int]]:
+    """The step's per-sequence attention plan and the packed position ids (host list)."""
+    seqs, positions, offset = [], [], 0
     for b, (kv, toks) in enumerate(zip(kvs, inputs)):
-        n = len(toks)
-        ids[b, :n] = torch.tensor(toks, dtype=torch.long)
-        depth = depths[b] if depths and depths[b] is not None else torch.arange(n)
-        pos[b, :n] = kv.length + depth
-        mask[b, 0, :, : kv.length] = True
-        if new_masks and new_masks[b] is not None:
-            mask[b, 0, :n, lmax : lmax + n] = new_masks[b]  # [n, n] ancestor mask (tree verify)
-        else:
-            mask[b, 0, :n, lmax : lmax + n] = causal[:n, :n]
-        # padded query rows attend only to themselves so softmax stays finite; outputs dropped
-        mask[b, 0, n:, lmax + n :] = torch.eye(q - n, dtype=torch.bool)
-    return ids, pos, mask
+        n, length = len(toks), kv.length
+        tree = new_masks[b] if new_masks and new_masks[b] is not None else None
+        depth = depths[b] if depths and depths[b] is not None else None
+        positions += [length + int(x) for x in depth] if depth is not None else range(length, length + n)
+        s = _Seq(kv, offset, n)
+        if row_exact and n > 1:
+            if tree is not None:
+                cache = torch.arange(length, device=kv.device)
+                s.slots = [torch.cat([cache, length + tree[j].nonzero().flatten().to(kv.device)]) for j in range(n)]
+        elif length == 0 and tree is None and n > 1:
+            s.causal = True
+        elif n > 1:
+            new = tree.to(kv.device) if tree is not None else torch.ones(n, n, dtype=torch.bool, device=kv.device).tril()
+            s.mask = torch.cat([torch.ones(n, length, dtype=torch.bool, device=kv.device), new], 1)
+        seqs.append(s)
+        offset += n
+    return _Plan(seqs, row_exact), positions
+
+
+def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool) -> torch.Tensor:
+    """hidden: [r, H] -> logits [r, V] float32, the head in the model's dtype. Row-exact: in chunks
+    of the head's probed invariant row count (one-row calls where it is 0)."""
+    w = model.get_output_embeddings().weight  # [V, H]
+    if not row_exact or hidden.shape[0] <= rowexact.head_rows(model):
+        return F.linear(hidden, w).float()
+    step = max(1, rowexact.head_rows(model))
+    return torch.cat([F.linear(hidden[i : i + step], w) for i in range(0, hidden.shape[0], step)]).float()
 
 
 @torch.inference_mode()
@@ -160,54 +168,45 @@ def batched_step(
     depths: list[torch.Tensor | None] | None = None,
     hidden_layers: tuple[int, ...] = (),
     row_exact: bool = False,
+    logits_rows: list[list[int] | None] | None = None,
 ) -> list[StepOutput]:
     """One forward over B sequences. inputs[b]: the Q_b new token ids of sequence b (Q_b >= 1).
 
     new_masks[b]: [Q_b, Q_b] bool, which new tokens query i may see (default causal).
     depths[b]: [Q_b] long, position offset of each new token past the cache (default arange).
     hidden_layers: HF hidden_states indices to return (0 = embeddings, i = after layer i).
-    row_exact: compute every position with the kernels of a one-token step (rowexact.py; the
-    model must have rowexact.install applied), so its logits equal the target alone's bitwise.
-    The KV caches are not modified; the caller appends what it keeps.
+    row_exact: compute every position with the kernels of a one-token step (rowexact.install
+    must have been applied), so its logits equal the target alone's bitwise.
+    logits_rows[b]: which new rows of sequence b need logits (None: all).
+    The new slots are written in place past each cache's length; the caller commits what it keeps.
     """
     if any(len(x) == 0 for x in inputs):
         raise ValueError("every sequence needs at least one new token")
-    cache, lmax = _padded_cache(kvs)
-    ids, pos, mask = _batch_inputs(kvs, inputs, new_masks, depths)  # built on the host
-    plan = None
-    if row_exact and (len(inputs) > 1 or len(inputs[0]) > 1):  # one row is the one-token step already
-        if not rowexact.is_installed(model):
-            raise RuntimeError("row_exact asked for, but rowexact.install(model) was not applied")
-        # before an all-visible mask is dropped; slot indices on the caches' device
-        plan = rowexact.plan_from_mask(mask, [len(x) for x in inputs], kvs[0].device)
-    if bool(mask.all()):
-        mask = None  # nothing to hide (one sequence, one new token): let SDPA take its unmasked kernel
+    if row_exact and not rowexact.is_installed(model):
+        raise RuntimeError("row_exact asked for, but rowexact.install(model) was not applied")
+    attach(model)
+    for kv, toks in zip(kvs, inputs):
+        kv.ensure(kv.length + len(toks))
     device = kvs[0].device
-    ids, pos = ids.to(device), pos.to(device)
-    mask = mask.to(device) if mask is not None else None
-    with rowexact.active(plan) if plan is not None else contextlib.nullcontext():
-        out = model.model(
-            input_ids=ids,
-            attention_mask=mask,
-            position_ids=pos,
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=bool(hidden_layers),
-        )
-    final = out.last_hidden_state  # [B, Q, H]
-    head = lm_head_fp32(model)  # [V, H] float32
-    results = []
-    for b, toks in enumerate(inputs):
-        n = len(toks)
-        # logits = h W^T computed in float32 (LM head and softmax in fp32 on every path);
-        # row-exact: one [1, H] x [H, V] product per row, as a one-token step computes it, unless
-        # n rows are within the head's probed invariant count (then one product is bitwise that)
-        per_row = plan is not None and n > rowexact.head_rows(model)
-        rows = [final[b, j : j + 1] for j in range(n)] if per_row else [final[b, :n]]
-        logits = torch.cat([r.float() @ head.T for r in rows]).cpu()  # [n, V], on the host
-        layers = cache.layers
-        keys = [layers[i].keys[b, :, lmax : lmax + n] for i in range(len(layers))]
-        values = [layers[i].values[b, :, lmax : lmax + n] for i in range(len(layers))]
-        hidden = tuple(out.hidden_states[i][b, :n].cpu() for i in hidden_layers) if hidden_layers else None
-        results.append(StepOutput(logits, keys, values, hidden))
+    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact)
+    ids = torch.tensor([t for toks in inputs for t in toks], dtype=torch.long).to(device)[None]  # [1, T]
+    pos = torch.tensor(positions, dtype=torch.long).to(device)[None]  # [1, T]
+    token = _PLAN.set(plan)
+    try:
+        with rowexact.rows(row_exact):
+            out = model.model(input_ids=ids, position_ids=pos, use_cache=False,
+                              output_hidden_states=bool(hidden_layers))
+    finally:
+        _PLAN.reset(token)
+    final = out.last_hidden_state[0]  # [T, H]
+    wanted = [list(range(len(toks))) if not logits_rows or logits_rows[b] is None else list(logits_rows[b])
+              for b, toks in enumerate(inputs)]
+    rows = torch.tensor([s.offset + j for s, w in zip(plan.seqs, wanted) for j in w], dtype=torch.long)
+    logits = lm_head(model, final.index_select(0, rows.to(device)), row_exact).cpu()  # [R, V] float32
+    results, at = [], 0
+    for s, w in zip(plan.seqs, wanted):
+        hidden = (tuple(out.hidden_states[i][0, s.offset : s.offset + s.n].cpu() for i in hidden_layers)
+                  if hidden_layers else None)
+        results.append(StepOutput(logits[at : at + len(w)], hidden))
+        at += len(w)
     return results

@@ -1,33 +1,31 @@
-"""Batch-invariant verification: every verified position is computed with the kernels of a
-one-token decode step, so speculative output is bitwise what the target alone produces.
+"""Batch-invariant (deterministic) verification: every verified position is computed with the
+kernels of a one-token decode step, so speculative output is bitwise what the target alone
+produces, whatever the batch.
 
-Why: a verify forward over Q positions multiplies an [M=Q*B, H] activation matrix, and GEMM
-libraries pick different kernels (and summation orders) for M=1 and M>1; in bf16 the logits then
-move by up to ~0.5 and a near-tie argmax can flip (docs/numerics.md). Here, while a RowPlan is
-active (batched_step(..., row_exact=True)):
+Why: a verify forward multiplies an [M, H] activation matrix, and GEMM libraries pick different
+kernels (and summation orders) for M=1 and M>1; the logits then move in their last bits (in bf16
+by up to ~0.5) and a near-tie argmax can flip (docs/numerics.md). While `rows(True)` is active
+(batched_step(..., row_exact=True)):
 
-* every nn.Linear inside the decoder computes row by row: y[b, j] = F.linear(x[b, j:j+1], W, bias),
-  the very call a one-token step makes (the weight stays in cache across the rows);
-* attention computes query (b, j) alone against the key slots it may see, gathered in order
-  (own KV, then its visible new tokens), with no mask: the call a one-token step makes over a
-  cache of that length;
-* the LM head (float32) is applied row by row as well (kv.batched_step).
+* every nn.Linear inside the decoder computes its M rows in chunks of its probed invariant row
+  count (below), which is bitwise the one-row calls a one-token step makes; where the probe found
+  no such count (0 or 1), row by row;
+* attention computes each query row alone against exactly the slots it sees (kv.pool_attention);
+* the LM head runs in chunks of its own probed count (kv.lm_head).
 
-Element-wise ops, RMSNorm (a per-row reduction) and RoPE do not depend on the row count, so each
-position's logits equal the one-token step's bit for bit (tests/model/test_row_exact.py). Prefill
-is not affected: it is already the same call as the target alone makes, as long as it is not
-padded into a batch (TargetEngine runs prefills one at a time in this mode).
+Element-wise ops, RMSNorm (a per-row reduction) and RoPE do not depend on the row count. Prefill
+is not affected: it is already the call the target alone makes, as long as it is not packed with
+other prompts (TargetEngine prefills one prompt per forward in this mode).
 
-The price is per-row GEMV instead of one GEMM, unless the GEMM is probed row-invariant. Which
-kernel a library runs, and so its summation order, is chosen by the shapes, strides, dtype, device
-and thread count, not by the values. ``install`` probes each distinct linear shape (and the float32
-LM head) once: the largest M such that a batched call over M rows gives, for every M' <= M,
-bitwise the rows of M' one-row calls, on wide-range random data (values 2^-12 .. 2^12, so any
-other summation order shows through the output's rounding; real weights mostly hide it). Up to
-that M the batched call is used as is; beyond it, per row. Measured on a CPU with native bf16
-(oneDNN): the bf16 GEMMs with K=576 are row-invariant at every M probed (64), K=1536 (down_proj)
-is not even at M=2, float32 GEMV (M=1) and GEMM differ. The probe runs under the thread count in
-force at install, which the worker sets before loading the model.
+Which kernel a library runs, and so its summation order, is chosen by the shapes, strides, dtype,
+device and thread count, not by the values. ``install`` probes each distinct linear shape (and the
+LM head) once: the largest M such that a batched call over M' rows gives bitwise the rows of M'
+one-row calls for every M' <= M, from an aligned start and from an offset one (a chunk of a
+larger batch), on wide-range random data (values 2^-12 .. 2^12, so any other summation order shows
+through the output's rounding; real weights mostly hide it). ``cheap`` says whether the probe
+found deterministic verification nearly free (every count >= CHEAP_ROWS): `batch_invariant: auto`
+turns it on exactly then. The probe runs under the thread count in force at install, which the
+worker sets before loading the model.
 """
 
 from __future__ import annotations
@@ -35,58 +33,38 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import types
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 from specmesh.engine.loader import dtype_name
 
-ATTN_NAME = "specmesh_row_exact"
-
-
-@dataclass(frozen=True)
-class RowPlan:
-    """counts[b]: real query rows of sequence b (later rows are padding, left zero);
-    slots[b][j]: [n_bj] long, the key slots query (b, j) may see, in position order."""
-
-    counts: list[int]
-    slots: list[list[torch.Tensor]]
-
-
-_PLAN: contextvars.ContextVar[RowPlan | None] = contextvars.ContextVar("specmesh_row_plan", default=None)
-
-
-@contextlib.contextmanager
-def active(plan: RowPlan):
-    token = _PLAN.set(plan)
-    try:
-        yield
-    finally:
-        _PLAN.reset(token)
-
-
-def plan_from_mask(mask: torch.Tensor, counts: list[int], device: torch.device | str = "cpu") -> RowPlan:
-    """mask: [B, 1, Q, S] bool (query j of row b sees slot s) -> the RowPlan of its real rows,
-    its slot indices on `device` (the keys' device: moved once here, not per layer)."""
-    slots = [[mask[b, 0, j].nonzero().flatten().to(device) for j in range(n)] for b, n in enumerate(counts)]
-    return RowPlan(list(counts), slots)
-
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_row_exact", default=False)
 
 PROBE_ROWS = 64  # largest batched row count probed for the decoder's linears
 PROBE_HEAD_ROWS = 32  # ... and for the LM head (a bigger GEMM: V x H)
 PROBE_TRIALS = 4  # random draws per probe; the smallest count found wins
+CHEAP_ROWS = 8  # batch_invariant auto: deterministic when every probed count reaches this
+
+
+@contextlib.contextmanager
+def rows(active: bool):
+    token = _ACTIVE.set(active)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
 
 
 def invariant_rows(fn, rows: torch.Tensor) -> int:
-    """Largest M <= len(rows) such that for every M' <= M, fn(rows[:M']) equals, bit for bit, the
-    concatenation of fn(rows[i:i+1]) (0 if even M=1 is not reproducible).
-    fn: [M, in] -> [M, out]; rows: [M_max, in]."""
+    """Largest M < len(rows) such that for every M' <= M, fn(rows[:M']) and fn(rows[1:1 + M'])
+    equal, bit for bit, the concatenation of one-row calls fn(rows[i:i+1]) (0 if even M=1 is not
+    reproducible). fn: [M, in] -> [M, out]; rows: [M_max, in]."""
     singles = torch.cat([fn(rows[i : i + 1]) for i in range(rows.shape[0])])  # [M_max, out]
-    for m in range(1, rows.shape[0] + 1):
-        if not torch.equal(fn(rows[:m]), singles[:m]):
+    for m in range(1, rows.shape[0]):
+        if not (torch.equal(fn(rows[:m]), singles[:m]) and torch.equal(fn(rows[1 : 1 + m]), singles[1 : 1 + m])):
             return m - 1
-    return rows.shape[0]
+    return rows.shape[0] - 1
 
 
 def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
@@ -112,8 +90,8 @@ def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
             gen = torch.Generator().manual_seed(t)
             w = _wide(tuple(weight.shape), weight, gen)
             b = _wide(tuple(bias.shape), bias, gen) if bias is not None else None
-            rows = _wide((max_rows, weight.shape[1]), weight, gen)
-            found = min(found, invariant_rows(lambda x: apply(x, w, b), rows))
+            x = _wide((max_rows + 1, weight.shape[1]), weight, gen)
+            found = min(found, invariant_rows(lambda r: apply(r, w, b), x))
             if found == 0:
                 break
     return found
@@ -133,73 +111,30 @@ def _probe_linears(model: torch.nn.Module) -> None:
 
 
 def _row_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """x: [B, Q, in] -> [B, Q, out]; under a plan: one batched call when its B*Q rows are within
-    the probed invariant count (bitwise the per-row result), else per real row."""
-    plan = _PLAN.get()
-    if plan is None or x.dim() != 3:
+    """x: [..., in] -> [..., out]; while active: in chunks of the probed invariant row count
+    (bitwise the one-row calls), one row per call where the probe found none."""
+    if not _ACTIVE.get() or x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
-    m = x.shape[0] * x.shape[1]
-    if m <= getattr(self, "_specmesh_rows", 0):  # [M, in] contiguous, exactly as probed
-        return F.linear(x.reshape(m, x.shape[2]), self.weight, self.bias).view(*x.shape[:2], -1)
-    out = x.new_zeros((*x.shape[:-1], self.out_features))
-    for b, n in enumerate(plan.counts):
-        for j in range(n):
-            # the row as a 2-D [1, in] matrix: one mm, as the one-token step's folded [1, 1, in] input.
-            # (A [1, 1, in] slice of a wider batch does not fold when no weight needs grad: matmul
-            # then expands W and runs bmm, copying W every call.)
-            out[b, j : j + 1] = F.linear(x[b, j : j + 1], self.weight, self.bias)
-    return out
-
-
-def _row_attention(module, query, key, value, attention_mask, **kwargs):
-    """query: [B, heads, Q, D]; key/value: [B, kv_heads, S, D] -> ([B, Q, heads, D], None).
-
-    Under a plan, query (b, j) attends to key[b, :, slots[b][j]] alone, unmasked (HF's SDPA
-    function, as in a one-token step); otherwise HF's SDPA path unchanged."""
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    plan = _PLAN.get()
-    if plan is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-    kw = {k: kwargs[k] for k in ("scaling", "dropout") if k in kwargs}
-    out = query.new_zeros((query.shape[0], query.shape[2], query.shape[1], query.shape[3]))
-    for b, n in enumerate(plan.counts):
-        for j in range(n):
-            idx = plan.slots[b][j]
-            o, _ = sdpa_attention_forward(module, query[b : b + 1, :, j : j + 1], key[b : b + 1, :, idx],
-                                          value[b : b + 1, :, idx], None, **kw)
-            out[b, j] = o[0, 0]
-    return out, None
-
-
-def _check_supported(model: torch.nn.Module) -> None:
-    cfg = model.config.get_text_config()
-    if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
-        raise ValueError("batch-invariant verification does not support sliding-window attention "
-                         f"({type(cfg).__name__}.sliding_window={cfg.sliding_window}); set "
-                         "target_worker.batch_invariant: false for this model")
+    x2 = x.reshape(-1, x.shape[-1])  # [M, in] (a packed batch is contiguous: a view)
+    step = max(1, getattr(self, "_specmesh_rows", 0))
+    if x2.shape[0] <= step:
+        return F.linear(x2, self.weight, self.bias).view(*x.shape[:-1], -1)
+    # each chunk a 2-D [m, in] matrix: one mm, as the one-token step's folded [1, 1, in] input
+    out = torch.cat([F.linear(x2[i : i + step], self.weight, self.bias) for i in range(0, x2.shape[0], step)])
+    return out.view(*x.shape[:-1], -1)
 
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
-    """Route the decoder's linears and attention through the row-exact paths (inactive, i.e.
-    HF's own calls, unless batched_step runs under a plan). Idempotent; returns the model."""
+    """Route the decoder's linears through the row-exact path (inactive, i.e. HF's own calls,
+    unless a step runs under rows(True)) and probe them and the LM head. Idempotent."""
     if getattr(model, "_specmesh_row_exact", False):
         return model
-    from transformers import AttentionInterface
-    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS, sdpa_mask
-
-    _check_supported(model)
-    AttentionInterface.register(ATTN_NAME, _row_attention)
-    ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, sdpa_mask)
     for mod in model.model.modules():
         if isinstance(mod, torch.nn.Linear):
             mod.forward = types.MethodType(_row_linear, mod)
     _probe_linears(model)
-    from specmesh.engine.kv import lm_head_fp32  # kv imports this module: import at call time
-
-    head = lm_head_fp32(model)  # [V, H] float32, the head every path applies
-    model._specmesh_head_rows = probe_rows(head, None, PROBE_HEAD_ROWS, apply=lambda x, w, _: x @ w.T)
-    model.set_attn_implementation(ATTN_NAME)
+    head = model.get_output_embeddings().weight  # [V, H], the model's dtype (kv.lm_head)
+    model._specmesh_head_rows = probe_rows(head, None, PROBE_HEAD_ROWS, apply=lambda x, w, _: F.linear(x, w))
     model._specmesh_row_exact = True
     return model
 
@@ -209,7 +144,7 @@ def is_installed(model: torch.nn.Module) -> bool:
 
 
 def head_rows(model: torch.nn.Module) -> int:
-    """Probed invariant row count of the float32 LM head product (0 when not installed)."""
+    """Probed invariant row count of the LM head product (0 when not installed)."""
     return int(getattr(model, "_specmesh_head_rows", 0))
 
 
@@ -220,5 +155,11 @@ def probed(model: torch.nn.Module) -> dict[str, int]:
         if isinstance(mod, torch.nn.Linear) and hasattr(mod, "_specmesh_rows"):
             w = mod.weight
             out[f"{w.shape[0]}x{w.shape[1]} {dtype_name(w.dtype)}"] = mod._specmesh_rows
-    out["lm_head float32"] = head_rows(model)
+    out[f"lm_head {dtype_name(model.get_output_embeddings().weight.dtype)}"] = head_rows(model)
     return out
+
+
+def cheap(model: torch.nn.Module) -> bool:
+    """Whether deterministic verification costs almost nothing on this machine: every probed
+    count is at least CHEAP_ROWS (install must have run)."""
+    return is_installed(model) and min(probed(model).values()) >= CHEAP_ROWS

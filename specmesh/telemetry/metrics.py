@@ -62,7 +62,10 @@ SPEC_SWITCHES = Counter("specmesh_speculation_switches", "admin changes of the s
 LIVE_SEQUENCES = Gauge("specmesh_live_sequences", "sequences holding a KV cache")
 KV_BYTES = Gauge("specmesh_kv_cache_bytes", "bytes held by all KV caches")
 KV_TOKENS = Gauge("specmesh_kv_cache_tokens", "tokens held by all KV caches")
-KV_USAGE = Gauge("specmesh_kv_cache_usage_ratio", "KV cache tokens held / target_worker.cache.max_tokens")
+KV_USAGE = Gauge("specmesh_kv_cache_usage_ratio", "KV pool slots owned by live sequences / pool slots")
+KV_RESERVED = Gauge("specmesh_kv_cache_reserved_tokens", "KV pool slots owned by live sequences (held + headroom)")
+KV_POOL_BYTES = Gauge("specmesh_kv_cache_pool_bytes", "bytes of the KV pool allocated at start")
+KV_RELOCATIONS = Gauge("specmesh_kv_cache_relocations", "sequences moved to a larger pool range (outgrew their reservation)")
 
 
 def serve(host: str, port: int, service: str) -> int | None:

@@ -21,7 +21,10 @@ def watch_target_engine(engine, max_tokens: int) -> None:
     metrics.LIVE_SEQUENCES.set_function(engine.live_sequences)
     metrics.KV_BYTES.set_function(engine.kv_bytes)
     metrics.KV_TOKENS.set_function(engine.held_tokens)
-    metrics.KV_USAGE.set_function(lambda: engine.held_tokens() / max(1, max_tokens))
+    metrics.KV_USAGE.set_function(lambda: engine.reserved_tokens() / max(1, engine.pool.max_tokens))
+    metrics.KV_RESERVED.set_function(engine.reserved_tokens)
+    metrics.KV_POOL_BYTES.set_function(engine.pool.nbytes)
+    metrics.KV_RELOCATIONS.set_function(lambda: engine.pool.relocations)
     metrics.BATCH_QUEUE.labels("target_worker").set_function(engine.batcher.qsize)
 
 

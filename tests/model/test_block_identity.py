@@ -94,7 +94,7 @@ def test_block_tree_bf16_batched_matches_hf_greedy(services, target_model_bf16, 
     """The services' default dtype, 16-node trees, 4 concurrent: batch-invariant verification
     (the default) keeps every tree node bitwise on the one-token path, so bf16 output is strict
     bf16 greedy."""
-    mesh = services(model=target_model_bf16)
+    mesh = services({"target_worker": {"batch_invariant": True}}, model=target_model_bf16)
     assert mesh.engine.batch_invariant and "block" in mesh.drafters
     responses = _run(mesh, 16, 4)
     problems = [hf_reference_bf16(max_tokens=MAX_TOKENS, **kw).explain_mismatch(

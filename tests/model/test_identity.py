@@ -138,7 +138,7 @@ def test_bf16_spec_batched_matches_hf_greedy(services, target_model_bf16, hf_ref
     positions): target_worker.batch_invariant (the default) computes every verified position with
     the one-token kernels, so the output is still bitwise bf16 greedy — strict identity on every
     prompt. (With batch_invariant off, about half of such outputs flip a near-tie: docs/numerics.md.)"""
-    mesh = services(model=target_model_bf16)
+    mesh = services({"target_worker": {"batch_invariant": True}}, model=target_model_bf16)
     assert mesh.engine.batch_invariant
 
     def run(item):

@@ -37,7 +37,7 @@ def test_chain_verify_is_bitwise_the_one_token_steps(model, prefilled, one_token
 
 
 def test_padded_batch_rows_are_bitwise_each_sequence_alone(model, prefilled, one_token_steps):
-    """Three sequences of different lengths and draft counts in one padded forward."""
+    """Three sequences of different lengths and draft counts in one packed forward."""
     prompts = [_tokens(10, 40), _tokens(11, 73), _tokens(12, 9)]
     drafts = [_tokens(20, 5), _tokens(21, 2), _tokens(22, 1)]
     refs = [one_token_steps(model, p, d) for p, d in zip(prompts, drafts)]
@@ -46,8 +46,8 @@ def test_padded_batch_rows_are_bitwise_each_sequence_alone(model, prefilled, one
     for out, ref in zip(outs, refs):
         assert torch.equal(out.logits, ref)
     # the KV of the new tokens is the one-token steps' too: continuing after them stays exact
-    for kv, out in zip(kvs, outs):
-        kv.append(out.new_keys, out.new_values)
+    for kv, d in zip(kvs, drafts):
+        kv.commit(len(d))
     nxt = batched_step(model, kvs, [[7], [8, 9], [10]], row_exact=True)
     for p, d, extra, out in zip(prompts, drafts, [[7], [8, 9], [10]], nxt):
         assert torch.equal(out.logits, one_token_steps(model, p, d + extra)[len(d):])

@@ -47,7 +47,7 @@ class Tok:
 
 
 class Target:
-    def prefill(self, seq_id, prompt, params, timeout):
+    def prefill(self, seq_id, prompt, params, timeout, max_new_tokens=0):
         return 1
 
     def verify(self, seq_id, draft, timeout):

@@ -267,10 +267,12 @@ def test_micro_runs_every_cell_on_a_tiny_model():
     cfg = LlamaConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, intermediate_size=64, max_position_embeddings=128)
     model = LlamaForCausalLM(cfg).eval()
-    rows = run_micro(model, context=16, positions=(1, 4), batches=(1, 3), repeats=1)
-    cells = [(b, q, m) for b in (1, 3) for q in (1, 4) for m in ("batched", "batch_invariant")]
+    rows = run_micro(model, context=16, positions=(1, 4), batches=(1, 3), repeats=1, trees=(3,))
+    cells = [(b, q, m) for b in (1, 3) for q in (1, 4, 4) for m in ("batched", "batch_invariant")]
     assert [(r["batch"], r["positions"], r["mode"]) for r in rows] == cells
+    assert [r["tree"] for r in rows if r["batch"] == 1] == [0, 0, 0, 0, 3, 3]
     assert all(r["median_ms"] > 0 and r["positions_per_s"] > 0 for r in rows)
     md = micro_markdown({"results": rows, "context": 16, "command": "specmesh bench --micro", "model": "tiny",
                          "machine": {"cpu": "x", "cores": 2, "torch": "t", "torch_threads": 1, "date": "d"}})
     assert "| 4 |" in md and "batch 3" in md and "**batched**" in md and "**batch_invariant**" in md
+    assert "tree of 3" in md and "batched: batch 1 x 4 =" in md and "deterministic / default" in md

@@ -130,7 +130,7 @@ class FeatureTarget:
         self.emitted = 0
         self.asked = []
 
-    def prefill_outcome(self, seq_id, prompt, params, timeout, features=None):
+    def prefill_outcome(self, seq_id, prompt, params, timeout, features=None, max_new_tokens=0):
         self.asked.append(("prefill", features))
         self.emitted = 1
         n = min(len(prompt), features.max_rows)

@@ -28,8 +28,8 @@ def test_kv_formula_and_tiers(model_dir):
     plan = Plan(shape, None, concurrency=16, context=4096, k=4, dtype="bfloat16")
     tiers = plan.tiers()
     t = tiers["target_worker"]
-    assert t["kv_cache"] == 2 * 32 * 8 * 128 * 4096 * 16 * 2
-    assert t["verify_kv"] == 2 * 32 * 8 * 128 * 5 * 16 * 2
+    assert t["kv_cache"] == 2 * 32 * 8 * 128 * (4096 + 65) * 16 * 2  # the pool: context + one round's drafts
+    assert "verify_kv" not in t  # drafts are verified in place inside the pool
     assert t["verify_logits_fp32"] == 5 * 151936 * 4 * 16
     assert t["weights"] == shape.params * 2 and 7e9 < shape.params < 8.5e9  # an 8B-class estimate
     assert t["total"] == sum(v for k, v in t.items() if k != "total")
@@ -41,7 +41,7 @@ def test_draft_model_tier(model_dir):
     plan = Plan(shape, shape, concurrency=2, context=100, k=3, dtype="float32")
     d = plan.tiers()["draft_worker"]
     assert d["kv_cache"] == 2 * 32 * 8 * 128 * 100 * 2 * 4 and d["propose_kv"] == 2 * 32 * 8 * 128 * 3 * 2 * 4
-    assert plan.as_dict()["config"]["target_worker.cache.max_tokens"] == 200
+    assert plan.as_dict()["config"]["target_worker.cache.max_tokens"] == 2 * (100 + 65)
 
 
 def test_text_config_and_default_head_dim(tmp_path):
@@ -53,7 +53,8 @@ def test_text_config_and_default_head_dim(tmp_path):
 def test_plan_cli_prints_formula_and_json(model_dir, capsys):
     assert main(["plan", "--model", str(model_dir), "--concurrency", "4", "--context", "1024"]) == 0
     out = capsys.readouterr().out
-    assert "2 x 32 x 8 x 128 x 1024 tokens x 4 seqs x 2 B" in out and "(k+1) = 5 positions" in out
+    assert "KV pool" in out and f"2 x 32 x 8 x 128 x {4 * (1024 + 65)} slots x 2 B" in out
+    assert "5 x 151936 vocab x 4 B" in out
     assert main(["plan", "--model", str(model_dir), "--concurrency", "4", "--context", "1024", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2

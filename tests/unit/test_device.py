@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from specmesh.config import ConfigError, load_config
-from specmesh.engine.kv import SequenceKV
+from specmesh.engine.pool import KVPool
 from specmesh.engine.loader import resolve_device
 from specmesh.errors import ModelIntegrityError
 
@@ -48,13 +48,17 @@ def test_target_worker_refuses_to_start_on_a_missing_gpu_before_loading_weights(
     assert "refusing to start" in out.stderr and "sees no CUDA GPU" in out.stderr
 
 
-def test_kv_buffers_live_on_the_given_device_and_keep_indices_follow_it():
-    kv = SequenceKV(num_layers=2, kv_heads=1, head_dim=4, dtype=torch.float32, capacity=2, device="cpu")
-    assert kv.device == torch.device("cpu") and kv.keys[0].device == kv.device
-    new = [torch.arange(12, dtype=torch.float32).view(1, 3, 4) for _ in range(2)]  # [kv_heads, Q=3, D]
-    kv.append(new, new, keep=torch.tensor([0, 2]))  # grows past capacity 2, keeps slots 0 and 2
-    assert kv.length == 2 and kv.capacity >= 2
-    assert torch.equal(kv.keys[1][:, :2], new[1][:, [0, 2]])
+def test_kv_pool_lives_on_the_given_device_and_keep_indices_follow_it():
+    pool = KVPool(num_layers=2, kv_heads=1, head_dim=4, max_tokens=2, dtype=torch.float32, device="cpu", private=True)
+    kv = pool.allocate(2)
+    assert kv.device == torch.device("cpu") and kv.keys(0, 1).device == kv.device
+    kv.ensure(3)  # a private pool grows past its 2 slots
+    new = torch.arange(12, dtype=torch.float32).view(1, 3, 4)  # [kv_heads, Q=3, D]
+    for layer in range(2):
+        kv.write(layer, new, new + 100)
+    kv.commit(0, keep=torch.tensor([0, 2]))  # keeps written slots 0 and 2, slot 2 moved down to 1
+    assert kv.length == 2 and kv.capacity >= 3
+    assert torch.equal(kv.keys(1, 2), new[:, [0, 2]]) and torch.equal(kv.values(0, 2), new[:, [0, 2]] + 100)
 
 
 def test_dtype_auto_follows_native_bf16():

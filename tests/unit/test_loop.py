@@ -35,7 +35,7 @@ class FakeTarget:
         self.verifies: list[tuple[str, list[int], float]] = []
         self.released: list[str] = []
 
-    def prefill(self, seq_id, prompt, params, timeout):
+    def prefill(self, seq_id, prompt, params, timeout, max_new_tokens=0):
         self.prefills.append((seq_id, list(prompt), timeout))
         self.emitted[seq_id] = 1
         return self.script[0]

@@ -135,7 +135,7 @@ class ScriptTarget:
         self.address, self.die_after, self.error = address, die_after, error
         self.pos, self.calls, self.released, self.prefills = {}, 0, [], []
 
-    def prefill(self, seq_id, prompt, params, timeout):
+    def prefill(self, seq_id, prompt, params, timeout, max_new_tokens=0):
         self._maybe_die()
         self.prefills.append(len(prompt))
         self.pos[seq_id] = len(prompt) - 3 + 1  # 3 = prompt length

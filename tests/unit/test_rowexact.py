@@ -1,6 +1,7 @@
-"""rowexact mechanics on a tiny random Llama (the bitwise claims on the real model in bf16 are in
-tests/model/test_row_exact.py): the plan read off the verify mask, the install guard, the
-sliding-window refusal, and that an installed model without a plan is HF's own computation."""
+"""rowexact and the pool attention on a tiny random Llama (the bitwise claims on the real model
+are in tests/model/test_row_exact.py): the install guard, an installed model is HF's own
+computation outside a deterministic step, chunked linears within the probed count, sliding
+windows kept exact, and the probe's row-count search."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch
 
 from specmesh.engine import rowexact
 from specmesh.engine.kv import batched_step
+from specmesh.engine.pool import new_sequence_kv
 
 
 def _tiny(**extra):
@@ -20,19 +22,6 @@ def _tiny(**extra):
     return LlamaForCausalLM(cfg).float().eval()
 
 
-def test_plan_lists_each_real_query_rows_visible_slots():
-    # B=2, Q=3, S=4+3: row 0 has a cache of 4 and 3 new tokens (causal); row 1 a cache of 2, 1 new
-    mask = torch.zeros((2, 1, 3, 7), dtype=torch.bool)
-    mask[0, 0, :, :4] = True
-    mask[0, 0, :, 4:] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
-    mask[1, 0, :, :2] = True
-    mask[1, 0, 0, 4] = True
-    plan = rowexact.plan_from_mask(mask, [3, 1])
-    assert plan.counts == [3, 1]
-    assert [s.tolist() for s in plan.slots[0]] == [[0, 1, 2, 3, 4], [0, 1, 2, 3, 4, 5], [0, 1, 2, 3, 4, 5, 6]]
-    assert [s.tolist() for s in plan.slots[1]] == [[0, 1, 4]]
-
-
 def test_row_exact_refused_without_install(prefilled):
     model = _tiny()
     kv = prefilled(model, [3, 4, 5])
@@ -40,49 +29,75 @@ def test_row_exact_refused_without_install(prefilled):
         batched_step(model, [kv], [[1, 2]], row_exact=True)
 
 
-def test_installed_model_is_unchanged_without_a_plan_and_exact_with_one(prefilled, one_token_steps):
+def test_installed_model_is_unchanged_without_row_exact_and_exact_with_it(prefilled, one_token_steps):
     plain, installed = _tiny(), rowexact.install(_tiny())
     assert rowexact.install(installed) is installed and rowexact.is_installed(installed)
     prompt, drafts = [3, 9, 4, 17, 8], [5, 6, 7]
     a = batched_step(plain, [prefilled(plain, prompt)], [drafts])[0].logits
     b = batched_step(installed, [prefilled(installed, prompt)], [drafts])[0].logits
-    assert torch.equal(a, b)  # same weights (seed 0), no plan: HF's own path
+    assert torch.equal(a, b)  # same weights (seed 0), not row-exact: HF's own linears
     exact = batched_step(installed, [prefilled(installed, prompt)], [drafts], row_exact=True)[0].logits
     assert torch.equal(exact, one_token_steps(installed, prompt, drafts))
 
 
-def test_sliding_window_models_are_refused():
+def test_pool_attention_matches_hf_for_a_packed_batch_of_different_lengths():
+    """Three sequences (cache 5, 0 and 9 tokens; 3, 4 and 1 new) in one packed step: each one's
+    logits are HF's full forward of its whole text, and the pool holds exactly its KV."""
+    model = _tiny()
+    texts = [[3, 9, 4, 17, 8, 5, 6, 7], [11, 12, 13, 14], [20, 21, 22, 23, 24, 25, 26, 27, 28, 29]]
+    cached = [5, 0, 9]
+    kvs = [new_sequence_kv(model, 4) for _ in texts]  # private pools: grow as needed
+    for kv, t, c in zip(kvs, texts, cached):
+        if c:
+            batched_step(model, [kv], [t[:c]])
+            kv.commit(c)
+    outs = batched_step(model, kvs, [t[c:] for t, c in zip(texts, cached)])
+    for kv, t, c, out in zip(kvs, texts, cached, outs):
+        with torch.inference_mode():
+            ref = model(torch.tensor([t])).logits[0, c:].float()
+        assert torch.allclose(out.logits, ref, atol=1e-4)
+        kv.commit(len(t) - c)
+        assert kv.length == len(t)
+
+
+def test_hf_generate_on_an_attached_model_is_unchanged():
+    """attach() reroutes attention only inside a step: HF generate on the same model object, with
+    left padding (its own masks), gives what it gave before the model served a step."""
+    model = _tiny()
+    ids = torch.tensor([[0, 0, 5, 6, 7], [1, 2, 3, 4, 5]])
+    mask = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    with torch.inference_mode():
+        before = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    kv = new_sequence_kv(model, 8)
+    batched_step(model, [kv], [[1, 2, 3]])
+    with torch.inference_mode():
+        after = model.generate(ids, attention_mask=mask, max_new_tokens=5, do_sample=False, pad_token_id=0)
+    assert torch.equal(before, after)
+
+
+def test_sliding_window_models_stay_inside_their_window():
+    """The pool attention reads every slot; a model with an active sliding window is therefore
+    served only inside that window, where full attention is exactly sliding attention."""
     from transformers import MistralConfig, MistralForCausalLM
+
+    from specmesh.core.types import SamplingParams
+    from specmesh.errors import InvalidArgument
+    from target_worker.engine import TargetEngine
 
     cfg = MistralConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                         num_attention_heads=4, num_key_value_heads=2, sliding_window=16)
-    with pytest.raises(ValueError, match="sliding-window"):
-        rowexact.install(MistralForCausalLM(cfg).eval())
-
-
-def test_plan_is_used_when_nothing_needs_masking(monkeypatch, prefilled):
-    """Two sequences of equal length, one new token each: the verify mask is all-visible (and is
-    dropped for SDPA), but each row must still be computed alone."""
-    model = rowexact.install(_tiny())
-    kvs = [prefilled(model, [3, 4, 5]), prefilled(model, [6, 7, 8])]
-    plans = []
-    real = rowexact.active
-
-    def spy(plan):
-        plans.append(plan)
-        return real(plan)
-
-    monkeypatch.setattr(rowexact, "active", spy)
-    batched_step(model, kvs, [[1], [2]], row_exact=True)
-    assert len(plans) == 1 and plans[0].counts == [1, 1]
-    assert [s.tolist() for s in plans[0].slots[0]] == [[0, 1, 2, 3]]
-    batched_step(model, kvs[:1], [[1]], row_exact=True)  # a single row needs no plan
-    assert len(plans) == 1
+    engine = TargetEngine(MistralForCausalLM(cfg).eval(), 4, 4, 256, 60)
+    try:
+        assert engine.context_window == 16
+        with pytest.raises(InvalidArgument, match="window"):
+            engine.prefill("s", list(range(1, 17)), SamplingParams(temperature=0.0), timeout=60)
+    finally:
+        engine.close()
 
 
 def test_invariant_rows_finds_the_first_row_count_that_changes_the_result():
     w = torch.randn(5, 3, generator=torch.Generator().manual_seed(1))
-    rows = torch.randn(8, 3, generator=torch.Generator().manual_seed(2))
+    rows = torch.randn(9, 3, generator=torch.Generator().manual_seed(2))
 
     def drifts_from(m0):  # a "GEMM" whose kernel changes (and rounds differently) from m0 rows on
         return lambda x: x @ w.T + (1e-3 if x.shape[0] >= m0 else 0.0)
@@ -94,9 +109,9 @@ def test_invariant_rows_finds_the_first_row_count_that_changes_the_result():
     assert rowexact.invariant_rows(lambda x: x @ w.T + next(calls), rows) == 0  # not even M=1 repeats
 
 
-def test_linears_batch_only_within_their_probed_row_count(monkeypatch, prefilled, one_token_steps):
-    """A probed count of 0 forces per-row calls, a large one the batched call; both are exact here
-    only because the probe said so -- the counts install found are what the worker runs with."""
+def test_linears_run_in_chunks_of_their_probed_row_count(monkeypatch, prefilled, one_token_steps):
+    """A probed count of 0 forces one-row calls, 2 chunks of two, 64 one batched call; each is exact
+    only where the probe said so -- the counts install found are what the worker runs with."""
     model = rowexact.install(_tiny())
     linears = [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)]
     assert all(isinstance(m._specmesh_rows, int) for m in linears)
@@ -105,17 +120,31 @@ def test_linears_batch_only_within_their_probed_row_count(monkeypatch, prefilled
     shapes = []
     real_linear = torch.nn.functional.linear
 
+    head = model.get_output_embeddings().weight
+
     def spy(x, w, b=None):
-        shapes.append(tuple(x.shape[:-1]))
+        if w is not head:  # the decoder's linears (the head has its own probed count: kv.lm_head)
+            shapes.append(tuple(x.shape[:-1]))
         return real_linear(x, w, b)
 
     monkeypatch.setattr(rowexact.F, "linear", spy)
-    for rows, expect in ((0, (1,)), (64, (3,))):
+    for rows, expect in ((0, [(1,)] * 3), (2, [(2,), (1,)]), (64, [(3,)])):
         for m in linears:
             m._specmesh_rows = rows
         kv = prefilled(model, prompt)
         shapes.clear()
         out = batched_step(model, [kv], [drafts], row_exact=True)[0].logits
-        assert set(shapes) == {expect}
-        if rows == 0 or all(rowexact.probe_rows(m.weight, m.bias, 3) >= 3 for m in linears):
+        assert shapes == expect * len(linears)
+        if rows <= 1 or all(rowexact.probe_rows(m.weight, m.bias, rows) >= rows for m in linears):
             assert torch.equal(out, one_token_steps(model, prompt, drafts))
+
+
+def test_auto_is_deterministic_exactly_where_the_probe_finds_it_cheap(monkeypatch):
+    from target_worker.engine import resolve_batch_invariant
+
+    model = _tiny()
+    for rows, expect in ((rowexact.CHEAP_ROWS, True), (1, False)):
+        monkeypatch.setattr(rowexact, "probe_rows", lambda *a, rows=rows, **k: rows)
+        model._specmesh_row_exact = False
+        assert resolve_batch_invariant(model, "auto") is expect
+    assert resolve_batch_invariant(model, True) is True and resolve_batch_invariant(model, False) is False

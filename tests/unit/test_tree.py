@@ -202,7 +202,8 @@ def test_tree_forward_matches_each_root_path(tiny_model):
     prefix, pending = [3, 9, 4, 17], 21
     tokens, parents = [5, 6, 7, 8], [-1, 0, -1, 1]
     kv = new_sequence_kv(tiny_model)
-    kv.append(*_kv_of(batched_step(tiny_model, [kv], [prefix])[0]))
+    batched_step(tiny_model, [kv], [prefix])
+    kv.commit(len(prefix))
     mask, depths = tree_layout(parents)
     tree_out = batched_step(tiny_model, [kv], [[pending] + tokens], new_masks=[mask], depths=[depths])[0]
     paths = {0: [pending], 1: [pending, 5], 2: [pending, 5, 6], 3: [pending, 7], 4: [pending, 5, 6, 8]}
@@ -210,10 +211,6 @@ def test_tree_forward_matches_each_root_path(tiny_model):
         fresh = new_sequence_kv(tiny_model)
         ref = batched_step(tiny_model, [fresh], [prefix + path])[0].logits[-1]
         assert torch.allclose(tree_out.logits[j], ref, atol=1e-4), j
-
-
-def _kv_of(out):
-    return out.new_keys, out.new_values
 
 
 def test_engine_verifies_a_tree_and_keeps_the_accepted_path(tiny_model):
@@ -237,9 +234,13 @@ def test_engine_verifies_a_tree_and_keeps_the_accepted_path(tiny_model):
         seq = engine._seqs["s"]
         assert seq.kv.length == len(prompt) + 3 and seq.pending == greedy[2]
         fresh = new_sequence_kv(tiny_model)
-        ref = batched_step(tiny_model, [fresh], [prompt + [first.token] + greedy[:2]], hidden_layers=(1, 3))[0]
-        for layer in range(len(seq.kv.keys)):
-            assert torch.allclose(seq.kv.keys[layer][:, : seq.kv.length], ref.new_keys[layer], atol=1e-4)
+        everything = prompt + [first.token] + greedy[:2]
+        ref = batched_step(tiny_model, [fresh], [everything], hidden_layers=(1, 3))[0]
+        fresh.commit(len(everything))
+        assert fresh.length == seq.kv.length
+        for layer in range(seq.kv.num_layers):  # the pool slots hold the accepted path, moved down
+            assert torch.allclose(seq.kv.keys(layer, seq.kv.length), fresh.keys(layer, fresh.length), atol=1e-4)
+            assert torch.allclose(seq.kv.values(layer, seq.kv.length), fresh.values(layer, fresh.length), atol=1e-4)
         ref_feats = torch.cat(ref.hidden_states, dim=-1)[-3:].to(torch.bfloat16)
         assert torch.allclose(out.features.float(), ref_feats.float(), atol=2e-2)
         plain = engine.verify("s", DraftProposal([]), timeout=60)
