@@ -10,9 +10,9 @@ STUBS := specmesh/v1/specmesh_pb2.py specmesh/v1/specmesh_pb2_grpc.py specmesh/v
 # torch, so it is installed by default; `make setup EXTRAS=test` skips it (test_ray.py then skips)
 EXTRAS ?= test,ray
 
-.PHONY: setup venv deps protos model run test test-unit clean
+.PHONY: setup venv deps protos model kernel run test test-unit clean
 
-setup: deps protos model
+setup: deps protos model kernel
 
 $(VPY):
 	$(PY) -m venv $(VENV)
@@ -36,6 +36,10 @@ protos: $(STUBS)
 
 model: deps
 	$(VPY) -m specmesh.cli fetch-model
+
+# the CPU verify kernel, compiled once and cached (it reports, never fails, where it cannot build)
+kernel: deps
+	$(VPY) -m specmesh.engine.cpu_gemm
 
 run: setup
 	$(VPY) -m specmesh.cli up $(ARGS)

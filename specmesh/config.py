@@ -223,12 +223,16 @@ class TargetWorkerConfig:
     # false: one GEMM over the batch, near-tie flips possible; auto: on exactly where the probe
     # finds it nearly free on this machine (specmesh/engine/rowexact.py), logged at start
     batch_invariant: bool | str = "auto"
+    # float32 linears of a verify / decode step from packed weights (specmesh/engine/cpu_gemm.py):
+    # auto: where it builds and runs (x86-64 AVX2+FMA, float32 on the CPU); false: torch's own
+    cpu_kernel: bool | str = "auto"
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
         _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
         self.cache.validate(f"{key}.cache")
         _check(self.batch_invariant in (True, False, "auto"), f"{key}.batch_invariant", "must be true, false or auto")
+        _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")
         _check(self.drain_timeout_s >= 0, f"{key}.drain_timeout_s", "must be >= 0")
 
 

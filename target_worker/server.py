@@ -9,7 +9,7 @@ import sys
 import threading
 
 from specmesh.config import ConfigError
-from specmesh.engine import rowexact
+from specmesh.engine import cpu_gemm, rowexact
 from specmesh.engine.loader import dtype_name, load_configured_model
 from specmesh.errors import ModelIntegrityError, Unavailable
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
@@ -108,10 +108,12 @@ def main(argv=None) -> int:
     c, bp = wcfg.cache, cfg.backpressure.target_worker
     opts = service_options(cfg, "target_worker")
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
-                          max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant)
+                          max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant,
+                          cpu_kernel=wcfg.cpu_kernel)
     param = next(model.parameters())
-    log.info("target %s loaded: %s on %s, KV pool %d tokens (%.1f MB), batch_invariant %s -> %s%s", model_dir,
-             dtype_name(param.dtype), param.device, engine.pool.max_tokens, engine.pool.nbytes() / 1e6,
+    log.info("target %s loaded: %s on %s, KV pool %d tokens (%.1f MB), CPU verify kernel %s (%.1f MB packed), "
+             "batch_invariant %s -> %s%s", model_dir, dtype_name(param.dtype), param.device, engine.pool.max_tokens,
+             engine.pool.nbytes() / 1e6, engine.cpu_kernel, cpu_gemm.packed_bytes(model) / 1e6,
              wcfg.batch_invariant, engine.batch_invariant,
              f" (probed: batched rows bitwise the one-row calls up to {rowexact.probed(model)})"
              if rowexact.is_installed(model) else "")

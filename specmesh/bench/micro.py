@@ -134,7 +134,8 @@ def micro_markdown(doc: dict) -> str:
     lines = [f"## specmesh bench --micro: one verify forward (batched_step), context {doc['context']} tokens",
              "", f"`{doc['command']}`", "",
              f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')} ({m.get('torch_threads')} threads), "
-             f"{doc['model']} ({doc.get('dtype', '?')}), {m.get('date')}", "",
+             f"{doc['model']} ({doc.get('dtype', '?')}, CPU verify kernel: {doc.get('cpu_kernel', False)}), "
+             f"{m.get('date')}", "",
              "Median ms per forward (positions/s) — positions Q = k + 1 to verify k drafts", ""]
     for mode in modes:
         lines += [f"**{mode}**", "", "| positions Q | " + " | ".join(f"batch {b}" for b in batches) + " |",
@@ -165,6 +166,9 @@ def main(args) -> int:
         torch.set_num_threads(threads)
     model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
                                              cfg.model.require_manifest, cfg.model.device)
+    from specmesh.engine import cpu_gemm
+
+    kernel = bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model)  # as the target worker runs it
     positions = [int(x) for x in args.micro_positions.split(",") if x]
     batches = [int(x) for x in args.micro_batch.split(",") if x]
     trees = [int(x) for x in getattr(args, "micro_trees", "16").split(",") if x]
@@ -173,6 +177,7 @@ def main(args) -> int:
         rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar,
                          trees=trees)
     doc = {"command": command_line(), "model": str(model_dir), "dtype": dtype_name(next(model.parameters()).dtype),
+           "cpu_kernel": kernel,
            "device": str(next(model.parameters()).device),
            "context": args.micro_context, "results": rows, "machine": machine_info()}
     out = Path(args.out)

@@ -104,6 +104,7 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-invariant", action="store_true", help="verify row-exact (target_worker.batch_invariant)")
+    p.add_argument("--no-cpu-kernel", action="store_true", help="torch's own linears (target_worker.cpu_kernel: false)")
     p.add_argument("--vs-hf", action="store_true", help="also compare the AR with plain HF generate (same dtype)")
     p.add_argument("--dataset", default="mt-bench")
     p.add_argument("--out")
@@ -111,6 +112,9 @@ def main(argv=None) -> int:
     torch.set_num_threads(args.threads)
     model_dir = fetch_model(progress=False)
     model = load_model(model_dir, args.dtype)
+    from specmesh.engine import cpu_gemm
+
+    kernel = not args.no_cpu_kernel and cpu_gemm.install(model)  # as the target worker runs it by default
     if args.batch_invariant:
         from specmesh.engine import rowexact
 
@@ -120,7 +124,7 @@ def main(argv=None) -> int:
     prompts = [encoder.encode(it.prompt, it.messages) for it in items]
     t0 = time.time()
     result = measure(model, prompts, args.max_tokens, args.k, args.batch_invariant, args.vs_hf)
-    result.update(dtype=args.dtype, dataset=args.dataset, seconds=round(time.time() - t0, 1))
+    result.update(dtype=args.dtype, dataset=args.dataset, cpu_kernel=kernel, seconds=round(time.time() - t0, 1))
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -32,7 +32,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import rowexact
+from specmesh.engine import cpu_gemm, rowexact
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
 ATTN_NAME = "specmesh_pool"
@@ -122,6 +122,7 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     AttentionInterface.register(ATTN_NAME, pool_attention)
     ALL_MASK_ATTENTION_FUNCTIONS.register(ATTN_NAME, pool_mask)
     model.set_attn_implementation(ATTN_NAME)
+    rowexact.route(model)  # linears: the packed CPU kernel / deterministic chunks inside a step
     model._specmesh_pool_attn = True
     return model
 
@@ -150,9 +151,14 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool) -> tuple[_Plan, list[
 
 
 def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool) -> torch.Tensor:
-    """hidden: [r, H] -> logits [r, V] float32, the head in the model's dtype. Row-exact: in chunks
-    of the head's probed invariant row count (one-row calls where it is 0)."""
-    w = model.get_output_embeddings().weight  # [V, H]
+    """hidden: [r, H] -> logits [r, V] float32, the head in the model's dtype (the packed CPU
+    kernel where installed). Row-exact: in chunks of the head's probed invariant row count
+    (one-row calls where it is 0)."""
+    head = model.get_output_embeddings()
+    out = cpu_gemm.packed(head, hidden, exact=row_exact)
+    if out is not None:
+        return out
+    w = head.weight  # [V, H]
     if not row_exact or hidden.shape[0] <= rowexact.head_rows(model):
         return F.linear(hidden, w).float()
     step = max(1, rowexact.head_rows(model))
@@ -193,16 +199,16 @@ def batched_step(
     pos = torch.tensor(positions, dtype=torch.long).to(device)[None]  # [1, T]
     token = _PLAN.set(plan)
     try:
-        with rowexact.rows(row_exact):
+        with rowexact.rows(row_exact), cpu_gemm.active():
             out = model.model(input_ids=ids, position_ids=pos, use_cache=False,
                               output_hidden_states=bool(hidden_layers))
+            final = out.last_hidden_state[0]  # [T, H]
+            wanted = [list(range(len(toks))) if not logits_rows or logits_rows[b] is None else list(logits_rows[b])
+                      for b, toks in enumerate(inputs)]
+            rows = torch.tensor([s.offset + j for s, w in zip(plan.seqs, wanted) for j in w], dtype=torch.long)
+            logits = lm_head(model, final.index_select(0, rows.to(device)), row_exact).cpu()  # [R, V] float32
     finally:
         _PLAN.reset(token)
-    final = out.last_hidden_state[0]  # [T, H]
-    wanted = [list(range(len(toks))) if not logits_rows or logits_rows[b] is None else list(logits_rows[b])
-              for b, toks in enumerate(inputs)]
-    rows = torch.tensor([s.offset + j for s, w in zip(plan.seqs, wanted) for j in w], dtype=torch.long)
-    logits = lm_head(model, final.index_select(0, rows.to(device)), row_exact).cpu()  # [R, V] float32
     results, at = [], 0
     for s, w in zip(plan.seqs, wanted):
         hidden = (tuple(out.hidden_states[i][0, s.offset : s.offset + s.n].cpu() for i in hidden_layers)

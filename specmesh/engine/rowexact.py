@@ -37,6 +37,7 @@ import types
 import torch
 import torch.nn.functional as F
 
+from specmesh.engine import cpu_gemm
 from specmesh.engine.loader import dtype_name
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_row_exact", default=False)
@@ -97,22 +98,40 @@ def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
     return found
 
 
+def _apply_of(mod: torch.nn.Linear):
+    """What a step runs for this linear: the packed CPU kernel where installed, else F.linear."""
+    return cpu_gemm.kernel_apply() if getattr(mod, "_specmesh_packed", None) is not None else F.linear
+
+
 def _probe_linears(model: torch.nn.Module) -> None:
     """Set ``_specmesh_rows`` on every decoder nn.Linear: its probed invariant row count (one probe
-    per distinct shape / strides / dtype / device / bias presence)."""
+    per distinct shape / strides / dtype / device / bias presence / kernel)."""
     seen: dict[tuple, int] = {}
     for mod in model.model.modules():
         if isinstance(mod, torch.nn.Linear):
             w = mod.weight
-            key = (tuple(w.shape), w.dtype, str(w.device), mod.bias is not None, w.stride())
+            kernel = getattr(mod, "_specmesh_packed", None) is not None
+            key = (tuple(w.shape), w.dtype, str(w.device), mod.bias is not None, w.stride(), kernel)
             if key not in seen:
-                seen[key] = probe_rows(w, mod.bias, PROBE_ROWS)
+                seen[key] = probe_rows(w, mod.bias, PROBE_ROWS, apply=_apply_of(mod))
             mod._specmesh_rows = seen[key]
 
 
-def _row_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """x: [..., in] -> [..., out]; while active: in chunks of the probed invariant row count
-    (bitwise the one-row calls), one row per call where the probe found none."""
+def route(model: torch.nn.Module) -> None:
+    """Send every decoder nn.Linear through linear_forward (HF's own F.linear outside steps)."""
+    for mod in model.model.modules():
+        if isinstance(mod, torch.nn.Linear) and not getattr(mod, "_specmesh_routed", False):
+            mod.forward = types.MethodType(linear_forward, mod)
+            mod._specmesh_routed = True
+
+
+def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """x: [..., in] -> [..., out]. Inside a step: the packed CPU kernel where installed (row-
+    invariant at any row count); else, deterministic steps in chunks of the probed invariant row
+    count (bitwise the one-row calls), one row per call where the probe found none."""
+    out = cpu_gemm.packed(self, x, exact=_ACTIVE.get())
+    if out is not None:
+        return out
     if not _ACTIVE.get() or x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
     x2 = x.reshape(-1, x.shape[-1])  # [M, in] (a packed batch is contiguous: a view)
@@ -125,16 +144,14 @@ def _row_linear(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
-    """Route the decoder's linears through the row-exact path (inactive, i.e. HF's own calls,
-    unless a step runs under rows(True)) and probe them and the LM head. Idempotent."""
+    """Route the decoder's linears through linear_forward (inactive, i.e. HF's own calls, unless
+    a step runs under rows(True)) and probe them and the LM head. Idempotent."""
     if getattr(model, "_specmesh_row_exact", False):
         return model
-    for mod in model.model.modules():
-        if isinstance(mod, torch.nn.Linear):
-            mod.forward = types.MethodType(_row_linear, mod)
+    route(model)
     _probe_linears(model)
-    head = model.get_output_embeddings().weight  # [V, H], the model's dtype (kv.lm_head)
-    model._specmesh_head_rows = probe_rows(head, None, PROBE_HEAD_ROWS, apply=lambda x, w, _: F.linear(x, w))
+    head = model.get_output_embeddings()  # [V, H], the model's dtype (kv.lm_head)
+    model._specmesh_head_rows = probe_rows(head.weight, None, PROBE_HEAD_ROWS, apply=_apply_of(head))
     model._specmesh_row_exact = True
     return model
 

@@ -1,0 +1,161 @@
+"""The CPU verify kernel: float32 linears from packed weights, for the few rows of a step.
+
+On some CPUs the BLAS runs small-M float32 GEMMs far below peak: measured on a 2-core AMD EPYC
+(MKL, one thread), [5, 576] x [576, 1536] costs 2.8x the one-row call and the 49152-row LM head
+at 5 rows 2.5x, so a 5-position verify costs ~1.9x a one-token step. csrc/packed_gemm.cpp packs each
+weight once into 32-column panels and computes 2 rows x 32 columns per tile with FMAs in
+registers: 2 rows cost what 1 costs, 5 rows about half of what the BLAS needs. Each output is one
+FMA chain over k in order, so a batched call is bitwise the one-row calls (row-invariant): with it
+deterministic verification is free, and `batch_invariant: auto` turns it on.
+
+The kernel is compiled on first use with torch's C++ extension loader (a C++ compiler and ninja;
+`make setup` builds it once, cached under the torch extensions directory, keyed by the source's
+hash). `target_worker.cpu_kernel: auto` uses it where it builds and runs: x86-64 with AVX2 and
+FMA, a float32 model on the CPU; anything else (a GPU, bf16, no compiler) keeps torch's own
+linears, and the worker logs which. It runs only inside engine steps (`active`), so HF's own
+forward on the same model object is untouched; steps with more than MAX_ROWS rows (long prefills)
+keep the BLAS, unless a deterministic step needs every row on the kernel.
+
+`python -m specmesh.engine.cpu_gemm` builds it and prints whether it is usable here.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import hashlib
+import logging
+import platform
+import shutil
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
+MAX_ROWS = 64  # default mode: more rows than this (a long prefill) go to the BLAS
+_EXT = None
+_TRIED = False
+_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_cpu_gemm", default=False)
+
+
+def unusable_reason(cpuinfo: str | None = None) -> str | None:
+    """Why the kernel cannot run on this machine (None: it can)."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return f"not x86-64 ({platform.machine()})"
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return "no /proc/cpuinfo"
+    flags = set()
+    for line in cpuinfo.splitlines():
+        if line.startswith("flags"):
+            flags.update(line.split(":", 1)[1].split())
+    if not {"avx2", "fma"} <= flags:
+        return "the CPU lacks AVX2/FMA"
+    if shutil.which("c++") is None and shutil.which("g++") is None:
+        return "no C++ compiler"
+    try:
+        import ninja  # noqa: F401
+    except ImportError:
+        return "ninja is not installed"
+    return None
+
+
+def load():
+    """The compiled extension (built on first use, then cached), or None with a logged reason."""
+    global _EXT, _TRIED
+    if _TRIED:
+        return _EXT
+    _TRIED = True
+    reason = unusable_reason()
+    if reason is not None:
+        log.info("CPU verify kernel not used: %s", reason)
+        return None
+    from torch.utils.cpp_extension import load as load_ext
+
+    digest = hashlib.sha256(SOURCE.read_bytes()).hexdigest()[:12]
+    try:
+        _EXT = load_ext(f"specmesh_packed_gemm_{digest}", [str(SOURCE)], extra_cflags=["-O3", "-mavx2", "-mfma"],
+                        verbose=False)
+    except Exception as exc:  # noqa: BLE001 - any build failure: torch's linears serve instead
+        log.warning("CPU verify kernel failed to build, torch's linears serve: %s", str(exc).splitlines()[-1:])
+        _EXT = None
+    return _EXT
+
+
+@contextlib.contextmanager
+def active(on: bool = True):
+    """Inside an engine step: packed linears may run the kernel."""
+    token = _ACTIVE.set(on)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def packed(mod: torch.nn.Module, x: torch.Tensor, exact: bool) -> torch.Tensor | None:
+    """The kernel's output for `mod` (an nn.Linear packed by install) on x [..., in], or None
+    when it does not apply (outside a step, another dtype/device, too many rows for the default
+    mode)."""
+    wp = getattr(mod, "_specmesh_packed", None)
+    if wp is None or not _ACTIVE.get() or x.dtype != torch.float32 or x.device.type != "cpu":
+        return None
+    if not exact and x.numel() // x.shape[-1] > MAX_ROWS:
+        return None
+    return _EXT.linear(x, wp, mod.bias, mod.out_features)
+
+
+def install(model: torch.nn.Module) -> bool:
+    """Pack every decoder nn.Linear and the LM head of a float32 CPU model (kept beside the
+    original weights, which HF's own forward still uses). True when the kernel is in use."""
+    if getattr(model, "_specmesh_cpu_gemm", None) is not None:
+        return model._specmesh_cpu_gemm
+    head = model.get_output_embeddings()
+    use = head.weight.dtype == torch.float32 and head.weight.device.type == "cpu" and load() is not None
+    if use:
+        with torch.no_grad():
+            for mod in [*model.model.modules(), head]:
+                if isinstance(mod, torch.nn.Linear):
+                    mod._specmesh_packed = _EXT.pack(mod.weight.detach())
+    model._specmesh_cpu_gemm = use
+    return use
+
+
+def kernel_apply():
+    """apply(x, W, b) through the kernel for rowexact's probe (packs each probe weight once)."""
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def apply(x, w, b):
+        if id(w) not in held:
+            held.clear()
+            held[id(w)] = (w, _EXT.pack(w))
+        return _EXT.linear(x, held[id(w)][1], b, w.shape[0])
+
+    return apply
+
+
+def packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the packed weights (0 when not installed)."""
+    mods = [m for m in model.modules() if getattr(m, "_specmesh_packed", None) is not None]
+    return sum(m._specmesh_packed.numel() * m._specmesh_packed.element_size() for m in mods)
+
+
+def main() -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    ext = load()
+    if ext is None:
+        print(f"specmesh: CPU verify kernel not usable here: {unusable_reason() or 'build failed'}")
+        return 0
+    w, x = torch.randn(40, 24), torch.randn(5, 24)
+    y = ext.linear(x, ext.pack(w), None, 40)
+    ok = torch.allclose(y, x @ w.T, atol=1e-4) and all(
+        torch.equal(y[i : i + 1], ext.linear(x[i : i + 1], ext.pack(w), None, 40)) for i in range(5))
+    print(f"specmesh: CPU verify kernel built and {'checked' if ok else 'WRONG'}")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

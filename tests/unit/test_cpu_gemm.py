@@ -1,0 +1,67 @@
+"""The packed CPU verify kernel (specmesh/engine/cpu_gemm.py): correct against F.linear, bitwise
+row-invariant at every row count and tiling, used only inside engine steps, probed invariant."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specmesh.engine import cpu_gemm, rowexact
+
+ext = cpu_gemm.load()
+needs_kernel = pytest.mark.skipif(ext is None, reason=f"kernel not usable here: {cpu_gemm.unusable_reason()}")
+
+
+def test_unusable_reasons_are_named():
+    assert cpu_gemm.unusable_reason("flags\t: fpu sse sse2\n") in ("the CPU lacks AVX2/FMA", "not x86-64 (aarch64)",
+                                                                    f"not x86-64 ({__import__('platform').machine()})")
+
+
+@needs_kernel
+@pytest.mark.parametrize("n_out,n_in", [(40, 24), (16, 8), (33, 17), (5, 64)])
+def test_matches_f_linear_and_every_row_count_is_bitwise_the_one_row_calls(n_out, n_in):
+    gen = torch.Generator().manual_seed(n_out * 7 + n_in)
+    w, b = torch.randn(n_out, n_in, generator=gen), torch.randn(n_out, generator=gen)
+    wp = ext.pack(w)
+    x = torch.randn(13, n_in, generator=gen) * torch.exp2(torch.randint(-8, 9, (13, n_in), generator=gen).float())
+    singles = torch.cat([ext.linear(x[i : i + 1], wp, b, n_out) for i in range(13)])
+    assert torch.allclose(singles, F.linear(x, w, b), rtol=1e-4, atol=1e-3 * float(x.abs().max()))
+    for m in range(1, 14):  # 1-2 rows use 32-column tiles, 3-6 16-column ones, blocks of 6 beyond
+        for start in (0, 13 - m):
+            assert torch.equal(ext.linear(x[start : start + m], wp, b, n_out), singles[start : start + m]), (m, start)
+    assert ext.linear(x[:3].view(1, 3, n_in), wp, None, n_out).shape == (1, 3, n_out)
+
+
+@needs_kernel
+def test_linears_take_the_kernel_only_inside_a_step_and_probe_invariant():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specmesh.engine.kv import batched_step
+    from specmesh.engine.pool import new_sequence_kv
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).float().eval()
+    ids = torch.tensor([[3, 9, 4, 17, 8]])
+    with torch.inference_mode():
+        plain = model(ids).logits[0]
+    assert cpu_gemm.install(model) and cpu_gemm.packed_bytes(model) > 0
+    calls = []
+    real = ext.linear
+    cpu_gemm._EXT = type("Spy", (), {"linear": staticmethod(lambda *a: calls.append(1) or real(*a)),
+                                     "pack": staticmethod(ext.pack)})()
+    try:
+        with torch.inference_mode():
+            assert torch.equal(model(ids).logits[0], plain)  # HF's own forward: untouched
+        assert not calls
+        kv = new_sequence_kv(model, 8)
+        out = batched_step(model, [kv], [ids[0].tolist()])[0]
+        assert calls and torch.allclose(out.logits, plain, atol=1e-4)
+    finally:
+        cpu_gemm._EXT = ext
+    rowexact.install(model)
+    probed = rowexact.probed(model)  # every count at its probe limit: the kernel is row-invariant
+    assert probed.pop("lm_head float32") == rowexact.PROBE_HEAD_ROWS and set(probed.values()) == {rowexact.PROBE_ROWS}
+    assert rowexact.cheap(model)
