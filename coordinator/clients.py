@@ -27,8 +27,8 @@ import grpc
 
 from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.errors import Unavailable
-from specmesh.rpc.convert import (feature_request_to_pb, features_from_pb, features_to_pb, probs_to_bytes,
-                                  proposal_from_pb, sampling_to_pb)
+from specmesh.rpc.convert import (cost_from_pb, feature_request_to_pb, features_from_pb, features_to_pb,
+                                  probs_to_bytes, proposal_from_pb, sampling_to_pb)
 from specmesh.rpc.errors import raise_from_rpc
 from specmesh.rpc.server import make_channel
 from specmesh.v1 import specmesh_pb2 as pb
@@ -72,7 +72,7 @@ class GrpcTargetClient:
             resp = self.stub.Prefill(req, timeout=timeout)
         except grpc.RpcError as err:
             self._raise(err)
-        return PrefillOutcome(resp.token_id, features_from_pb(resp.features))
+        return PrefillOutcome(resp.token_id, features_from_pb(resp.features), cost_from_pb(resp.verify_cost))
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
                features: FeatureSpec | None = None) -> VerifyOutcome:
@@ -86,7 +86,8 @@ class GrpcTargetClient:
             resp = self.stub.Verify(req, timeout=timeout)
         except grpc.RpcError as err:
             self._raise(err)
-        return VerifyOutcome(resp.accepted, list(resp.token_ids), resp.bonus, features_from_pb(resp.features))
+        return VerifyOutcome(resp.accepted, list(resp.token_ids), resp.bonus, features_from_pb(resp.features),
+                             cost_from_pb(resp.verify_cost))
 
     def release(self, seq_id: str) -> None:
         try:

@@ -31,7 +31,10 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 from specmesh.config import FEATURE_DRAFTERS
+from coordinator.predraft import Predrafter
+from coordinator.roundpolicy import RoundPolicy
 from specmesh.core.features import FeatureFeed
+from specmesh.core.goodput import RateBook
 from specmesh.core.tree import DraftTree
 from specmesh.core.types import (DraftProposal, FeatureSpec, GenerationRequest, SamplingParams, SpecStats,
                                  VerifyOutcome)
@@ -67,8 +70,19 @@ class Generation:
     def __init__(self, req: GenerationRequest, target: TargetClient, drafts: DraftPool | None,
                  tokenizer, eos_token_ids: set[int], draft_timeout_s: float, is_active=lambda: True,
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
-                 control=None, observer=None, feature_spec: FeatureSpec | None = None):
+                 control=None, observer=None, feature_spec: FeatureSpec | None = None,
+                 rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None):
         self.req, self.target, self.drafts = req, target, drafts
+        # local_drafters: {method: propose(context, k) -> tokens} run here, with no hop to the draft
+        # tier (n-gram: the context is already here); other methods go to the draft tier
+        self.local = dict(local_drafters or {})
+        # overlap: an Executor to draft round r+1 on while round r verifies (predraft.py); None: off
+        self._guess: int | None = None
+        self.predraft = None if overlap is None or drafts is None else Predrafter(
+            lambda ctx, n, r: self.drafts.propose(self.seq_id, ctx, n, self.method, self.req.params, r,
+                                                  self.draft_timeout_s), overlap)
+        # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model
+        self.rounds = RoundPolicy(req.k_max, rate_book, control)
         # feature_spec: what to ask the target for when the drafter reads target features (block);
         # None: such drafters get no features (they report misses and rounds run without drafts)
         self.feature_spec = feature_spec
@@ -115,17 +129,18 @@ class Generation:
 
     def _settings(self) -> tuple[str, int]:
         """This round's (drafter, k): the request's own, through the hot switch when there is one."""
-        if self.drafts is None:
-            return "off", 0
         method, k = (self.req.method, self.req.k) if self.control is None \
             else self.control.effective(self.req.method, self.req.k)
+        if self.drafts is None and method not in self.local:
+            return "off", 0
         return (method, k) if k > 0 else ("off", 0)
 
     def _k_this_round(self) -> int:
         # a round emits up to k+1 tokens: never draft past max_tokens
         self.method, self.k = self._settings()
-        left = self.req.max_tokens - len(self.out.token_ids)
-        return max(0, min(self.k, left - 1))
+        k = self.rounds.k(self.method, self.k, self.req.max_tokens - len(self.out.token_ids) - 1)
+        self.stats.chosen_k[k] = self.stats.chosen_k.get(k, 0) + 1
+        return k
 
     def _wants_features(self) -> bool:
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
@@ -133,6 +148,7 @@ class Generation:
     def _round(self) -> list[int]:
         draft_s = self.stats.draft_time_s
         draft = self._draft(self._k_this_round())
+        self._overlap(self.req.prompt_ids + self.out.token_ids, draft)
         t0 = time.monotonic()
         try:
             if self._wants_features():
@@ -146,6 +162,8 @@ class Generation:
             return [self._failover(exc)]
         finally:
             self.stats.verify_time_s += time.monotonic() - t0
+        self.rounds.take_cost(outcome.cost)
+        self.rounds.learn(self.method, draft, outcome.accepted)
         depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
         self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens), positions=depth)
         if self.observer is not None:
@@ -158,14 +176,17 @@ class Generation:
             return DraftProposal([], None)
         context = self.req.prompt_ids + self.out.token_ids
         t0 = time.monotonic()
+        if self.method in self.local:  # no hop: drafted where the context is
+            try:
+                return DraftProposal(list(self.local[self.method](context, k))[:k], None)
+            finally:
+                self.stats.draft_time_s += time.monotonic() - t0
         self._drafted_any = True
         try:
             timeout = min(self.draft_timeout_s, self._remaining())
             if self._wants_features():
                 return self._propose_with_features(context, k, timeout)
-            draft = self.drafts.propose(self.seq_id, context, k, self.method, self.req.params,
-                                        self.stats.rounds, timeout)
-            return DraftProposal(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
+            return self._remote_chain(context, k, timeout)
         except DeadlineExceeded:
             if self.req.deadline is not None and time.monotonic() >= self.req.deadline:
                 raise
@@ -174,6 +195,24 @@ class Generation:
             return self._draft_failed(str(exc))
         finally:
             self.stats.draft_time_s += time.monotonic() - t0
+
+    def _remote_chain(self, context: list[int], k: int, timeout: float) -> DraftProposal:
+        """k tokens from the draft tier: a pre-draft that hit, else a Propose now. With overlap the
+        drafter drafts k+1 and the last one is kept as the guess of the target's bonus token."""
+        draft = self.predraft.take(context, timeout) if self.predraft is not None else None
+        if draft is None:
+            want = k + 1 if self.predraft is not None else k
+            draft = self.drafts.propose(self.seq_id, context, want, self.method, self.req.params,
+                                        self.stats.rounds, timeout)
+        toks = list(draft.token_ids)
+        self._guess = toks[k] if self.predraft is not None and len(toks) > k else None
+        return DraftProposal(toks[:k], None if draft.probs is None else draft.probs[:k])
+
+    def _overlap(self, context: list[int], draft: DraftProposal) -> None:
+        """Before round r's Verify: start drafting round r+1 on the guess that r is accepted in full."""
+        guess, self._guess = self._guess, None
+        if self.predraft is not None and guess is not None and draft.parents is None and draft.token_ids:
+            self.predraft.start(context, draft, guess, len(draft.token_ids), self.stats.rounds + 1)
 
     def _propose_with_features(self, context: list[int], k: int, timeout: float) -> DraftProposal:
         """Propose with the rows the draft tier lacks; on a miss, once more with the whole window."""
@@ -225,10 +264,12 @@ class Generation:
     def _prefill(self, context: list[int]) -> int:
         """Prefill context on self.target; with the block drafter, keep the features it returns."""
         left = max(0, self.req.max_tokens - len(self.out.token_ids))  # the worker reserves KV for it
-        if not self._wants_features():
+        features = self.feature_spec if self._wants_features() else None
+        if features is None and not hasattr(self.target, "prefill_outcome"):  # a plain TargetClient
             return self.target.prefill(self.seq_id, context, self.req.params, self._call_timeout(), max_new_tokens=left)
         out = self.target.prefill_outcome(self.seq_id, context, self.req.params, self._call_timeout(),
-                                          self.feature_spec, max_new_tokens=left)
+                                          features, max_new_tokens=left)
+        self.rounds.take_cost(out.cost)
         if out.features is not None:
             self.feed = self.feed or FeatureFeed(self.feature_spec.max_rows or out.features.shape[0])
             self.feed.reset(out.features, len(context))
@@ -274,11 +315,15 @@ class Generation:
             log.info("release of %s on a failed target: %s", self.seq_id, exc)
 
     def _release(self) -> None:
+        if self.predraft is not None:
+            self.predraft.drop()
+            self.stats.predraft_hits, self.stats.predraft_misses = self.predraft.hits, self.predraft.misses
+            self.stats.draft_wait_s = self.predraft.wait_s
         try:
             self.target.release(self.seq_id)
         except SpecmeshError as exc:
             log.warning("release of %s failed: %s (the worker reclaims it when idle)", self.seq_id, exc)
-        if self.drafts is not None and (self.method != "off" or self._drafted_any):
+        if self.drafts is not None and self._drafted_any:  # only a draft tier that drafted holds state
             self.drafts.release(self.seq_id)
 
 

@@ -5,12 +5,15 @@ from __future__ import annotations
 import dataclasses
 import logging
 import sys
+from concurrent.futures import ThreadPoolExecutor
 
 from coordinator import observe
 from coordinator.admin import CoordinatorAdminServicer
 from coordinator.clients import GrpcDraftPool, TargetPool, pools_from_config
 from coordinator.control import SpeculationControl
 from coordinator.loop import Generation
+from specmesh.core.goodput import RateBook
+from specmesh.core.ngram import propose_ngram
 from specmesh.core.types import FeatureSpec, GenerationRequest
 from specmesh.config import ConfigError, MeshConfig
 from specmesh.errors import ModelIntegrityError
@@ -41,6 +44,13 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.model = observe.model_name(cfg)
         spec = cfg.speculative  # what the block drafter reads: asked of the target, sent on to the draft tier
         self.feature_spec = FeatureSpec(tuple(spec.feature_layers), spec.feature_window)
+        self.rate_book = RateBook()  # per-drafter acceptance rates, seeding each request's goodput k
+        # pre-drafting (coordinator.overlap_drafting): one Propose in flight per request at most
+        self.predraft_pool = (ThreadPoolExecutor(cfg.coordinator.max_workers, thread_name_prefix="predraft")
+                              if cfg.coordinator.overlap_drafting else None)
+        ng = cfg.draft_worker.ngram  # n-gram drafts here, next to the context: no Propose hop
+        self.local_drafters = ({"ngram": lambda context, k: propose_ngram(context, k, ng.min_n, ng.max_n)}
+                               if cfg.coordinator.local_ngram else {})
 
     def _generation(self, request, context) -> Generation:
         left, limit = context.time_remaining(), self.cfg.gateway.max_deadline_s  # clamped here too
@@ -51,7 +61,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                           self.encoder.tokenizer, self.encoder.eos_token_ids, c.draft_timeout_s, context.is_active,
                           reroute=lambda tried: self.targets.pick(exclude=tried, prompt_tokens=len(req.prompt_ids)),
                           max_reroutes=c.max_target_failovers, target_timeout_s=c.target_call_timeout_s,
-                          control=self.control, observer=observe.on_round, feature_spec=self.feature_spec)
+                          control=self.control, observer=observe.on_round, feature_spec=self.feature_spec,
+                          rate_book=self.rate_book, local_drafters=self.local_drafters,
+                          overlap=self.predraft_pool)
 
     def _final(self, gen: Generation, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))

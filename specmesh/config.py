@@ -74,6 +74,11 @@ class SpeculativeConfig:
     tree_budget: int = 16  # draft-tree nodes per round with verify_mode tree
     feature_layers: tuple[int, ...] = (1, 14, 27)  # block drafter: target decoder layers it reads
     feature_window: int = 64  # block drafter: newest committed positions it reads
+    # goodput: k per round in 0..goodput_k_max maximising expected tokens / verify time (the target's
+    # cost model, core/goodput.py); fixed: num_speculative_tokens every round. A request that sets
+    # its own num_speculative_tokens is always fixed; trees keep their budget.
+    k_policy: str = "fixed"  # goodput: opt-in until the round-policy issue's benchmarks land
+    goodput_k_max: int = 8  # capped at max_speculative_tokens
 
     def validate(self, key: str) -> None:
         _check(self.method in METHODS, f"{key}.method", f"one of {', '.join(METHODS)}")
@@ -85,6 +90,8 @@ class SpeculativeConfig:
         _check(bool(self.feature_layers) and all(x >= 0 for x in self.feature_layers), f"{key}.feature_layers",
                "needs at least one decoder layer index >= 0")
         _check(self.feature_window >= 1, f"{key}.feature_window", "must be >= 1")
+        _check(self.k_policy in ("goodput", "fixed"), f"{key}.k_policy", "goodput | fixed")
+        _check(self.goodput_k_max >= 0, f"{key}.goodput_k_max", "must be >= 0 (capped at max_speculative_tokens)")
 
     def default_tree_budget(self) -> int:
         """Draft-tree nodes per round for a request that does not choose (0 = chain)."""
@@ -129,6 +136,12 @@ class CoordinatorConfig:
     max_workers: int = 64
     target_call_timeout_s: float = 120.0  # cap on one Prefill/Verify call: a hung target never hangs a request
     max_target_failovers: int = 2  # a sequence whose target dies is re-prefilled elsewhere this often
+    # n-gram drafts in the coordinator, where the context is (draft_worker.ngram's sizes): no
+    # Propose hop; false: the draft tier serves n-gram like the model drafters
+    local_ngram: bool = False  # opt-in until the round-policy issue's benchmarks land
+    # draft round r+1 while the target verifies round r, on the guess that r is accepted in full
+    # (coordinator/predraft.py; remote chain drafters); opt-in until its benchmarks land
+    overlap_drafting: bool = False
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")

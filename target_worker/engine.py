@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.capacity import ROUND_SLOTS  # slots one round may write past the cache
+from specmesh.core.costmodel import ROWS as COST_ROWS
+from specmesh.core.costmodel import VerifyCost
 from specmesh.core.rejection import verify as verify_round
 from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout, verify_tree
@@ -92,6 +94,7 @@ class TargetEngine:
             self.context_window = min(self.context_window, int(cfg.sliding_window))
         self.max_sequences, self.max_tokens, self.idle_timeout_s = max_sequences, max_tokens, idle_timeout_s
         self.pool = new_pool(model, max_tokens)  # the KV of every sequence, allocated once (pool.py)
+        self.cost = VerifyCost()  # seconds per verify forward by packed rows (measure_cost, every batch)
         self._seqs: dict[str, Sequence] = {}
         self._lock = threading.Lock()
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="target-batcher")
@@ -134,6 +137,24 @@ class TargetEngine:
         finally:
             seq.busy = False
             seq.last_used = time.monotonic()
+
+    def measure_cost(self, context: int = 64, repeats: int = 2) -> dict:
+        """Seed the cost model: time a forward of each bucket's row count (one sequence of
+        `context` tokens, the rows as one chain) on the model thread's kernels; returns the table."""
+        kv = self.pool.allocate(context + max(COST_ROWS) + 1)
+        try:
+            batched_step(self.model, [kv], [list(range(1, context + 1))], logits_rows=[[context - 1]])
+            kv.commit(context)
+            for rows in COST_ROWS:
+                times = []
+                for _ in range(repeats + 1):  # the first is a warm-up
+                    t0 = time.perf_counter()
+                    batched_step(self.model, [kv], [list(range(1, rows + 1))], row_exact=self.batch_invariant)
+                    times.append(time.perf_counter() - t0)
+                self.cost.table[rows] = min(times[1:])
+        finally:
+            kv.release()
+        return self.cost.as_dict()
 
     def release(self, seq_id: str) -> bool:
         with self._lock:
@@ -303,8 +324,10 @@ class TargetEngine:
     def _run_verify(self, jobs: list[VerifyJob], hidden: tuple[int, ...] = ()) -> list[VerifyOutcome]:
         inputs = [[j.seq.pending] + list(j.draft.token_ids) for j in jobs]
         layouts = [tree_layout(j.draft.parents) if j.draft.parents is not None else (None, None) for j in jobs]
+        t0 = time.perf_counter()
         outs = batched_step(self.model, [j.seq.kv for j in jobs], inputs, new_masks=[m for m, _ in layouts],
                             depths=[d for _, d in layouts], hidden_layers=hidden, row_exact=self.batch_invariant)
+        self.cost.observe(sum(map(len, inputs)), time.perf_counter() - t0, batch=len(jobs))
         results = []
         for job, out in zip(jobs, outs):
             seq, draft = job.seq, job.draft

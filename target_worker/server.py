@@ -13,7 +13,8 @@ from specmesh.engine import cpu_gemm, rowexact
 from specmesh.engine.loader import dtype_name, load_configured_model
 from specmesh.errors import ModelIntegrityError, Unavailable
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
-from specmesh.rpc.convert import feature_request_from_pb, features_to_pb, proposal_from_pb, sampling_from_pb
+from specmesh.rpc.convert import (cost_to_pb, feature_request_from_pb, features_to_pb, proposal_from_pb,
+                                  sampling_from_pb)
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
 from specmesh.runtime import service_args, start_process
@@ -42,7 +43,8 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
             out = self.engine.prefill_outcome(request.seq_id, list(request.prompt), sampling_from_pb(request.sampling),
                                               timeout=context.time_remaining(), features=features,
                                               max_new_tokens=max(0, request.max_new_tokens))
-        return pb.PrefillResponse(token_id=out.token, features=features_to_pb(out.features))
+        return pb.PrefillResponse(token_id=out.token, features=features_to_pb(out.features),
+                                  verify_cost=cost_to_pb(self.engine.cost.as_dict()))
 
     def Verify(self, request, context):
         draft = proposal_from_pb(request.draft_token_ids, request.draft_probs, request.vocab_size,
@@ -54,7 +56,8 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
                         "specmesh.accepted_tokens": out.accepted, "specmesh.bonus": out.bonus})
         return pb.VerifyResponse(accepted=out.accepted, token_ids=out.tokens, bonus=out.bonus,
                                  cache_length=self.engine.cache_length(request.seq_id),
-                                 features=features_to_pb(out.features))
+                                 features=features_to_pb(out.features),
+                                 verify_cost=cost_to_pb(self.engine.cost.as_dict()))
 
     def _slot(self, context):
         return self.admission.slot(deadline_from(context)) if self.admission is not None else contextlib.nullcontext()
@@ -69,6 +72,7 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
             queue_length=self.engine.batcher.qsize(),
             model=self.model_name,
             vocab_size=self.engine.vocab_size,
+            verify_cost=cost_to_pb(self.engine.cost.as_dict()),
         )
 
 
@@ -83,7 +87,7 @@ def lifecycle_for(cfg, wcfg, servicer: TargetWorkerServicer, model: str) -> Work
 
     def load() -> dict:
         return {"live_sequences": engine.live_sequences(), "held_tokens": engine.held_tokens(),
-                "queue": engine.batcher.qsize()}
+                "queue": engine.batcher.qsize(), "verify_cost": engine.cost.as_dict()}
 
     return WorkerLifecycle(
         cfg.registry, "target", model=model, load_fn=load,
@@ -117,6 +121,7 @@ def main(argv=None) -> int:
              wcfg.batch_invariant, engine.batch_invariant,
              f" (probed: batched rows bitwise the one-row calls up to {rowexact.probed(model)})"
              if rowexact.is_installed(model) else "")
+    log.info("verify cost model (rows -> seconds, measured at start): %s", engine.measure_cost())
     watch_target_engine(engine, c.max_tokens)
     servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
     service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,

@@ -132,7 +132,7 @@ def main(args) -> int:
     cfg = load_config(args.config)
     model_dir = resolve_model_dir(cfg.model.name, cfg.model.path)
     tok = load_tokenizer(model_dir)
-    weights_mb = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) / 2**20
+    weights_mb = _weights_mb(cfg, model_dir)
     with mesh_target(args, ["ngram"]) as target:
         client = Client(target)
         pid = _target_pid(args)
@@ -169,6 +169,15 @@ def _target_pid(args) -> int | None:
             if "target_worker" in cmd and "python" in cmd:
                 return int(proc.name)
     return None
+
+
+def _weights_mb(cfg, model_dir) -> float:
+    """The weights as the worker holds them: parameters x bytes per element of the resolved dtype
+    (the CPU kernel's packed copy, when it runs, is on top: the worker logs its size)."""
+    from specmesh.capacity import BYTES, model_shape
+    from specmesh.engine.loader import dtype_name, resolve_dtype
+
+    return model_shape(str(model_dir)).params * BYTES[dtype_name(resolve_dtype(cfg.model.dtype))] / 2**20
 
 
 def _pool_mb(cfg, model_dir) -> float:

@@ -123,6 +123,15 @@ def acceptance_histogram(records: list[RequestRecord]) -> dict[str, int]:
     return {str(k): v for k, v in sorted(hist.items()) if v}
 
 
+def chosen_k_histogram(records: list[RequestRecord]) -> dict[str, int]:
+    """{k drafted in a round: rounds} over the requests (goodput k: 0 = speculation paused)."""
+    hist: dict[int, int] = {}
+    for rec in records:
+        for k, n in ((rec.spec or {}).get("chosen_k") or {}).items():
+            hist[int(k)] = hist.get(int(k), 0) + int(n)
+    return {str(k): v for k, v in sorted(hist.items()) if v}
+
+
 def _emitted_and_rounds(rec: RequestRecord) -> tuple[float, int]:
     if rec.spec and rec.spec.get("rounds"):
         rounds = int(rec.spec["rounds"])
@@ -195,6 +204,7 @@ def aggregate(records: list[RequestRecord], wall_s: float) -> dict:
         "e2e_ms": summarize([r.latency for r in ok], 1e3),
         "mean_acceptance_length": mean_acceptance_length(ok) if spec_like else None,
         "acceptance_length_histogram": acceptance_histogram(ok),
+        "chosen_k_histogram": chosen_k_histogram(ok),
         "acceptance_per_position": acceptance_per_position(ok),
         "acceptance_by_category": acceptance_by_category(ok) if spec_like else {},
         "time_fraction": time_fractions(ok),

@@ -107,8 +107,13 @@ def acceptance_section(doc: dict) -> list[str]:
         hist = " ".join(f"{k}:{v}" for k, v in r.get("acceptance_length_histogram", {}).items()) or "-"
         tf = r.get("time_fraction") or {}
         frac = (f"; drafting {tf['drafting']:.0%} / verifying {tf['verifying']:.0%} of E2E" if tf else "")
+        ks = r.get("chosen_k_histogram") or {}
+        chosen = ""
+        if ks:
+            zero = ks.get("0", 0) / max(1, sum(ks.values()))
+            chosen = "; chosen k {" + " ".join(f"{k}:{v}" for k, v in ks.items()) + f"}} (k = 0 in {zero:.0%} of rounds)"
         lines.append(f"- {_label(r)} @ {_level(r)}: per-position acceptance [{pos}]; "
-                     f"acceptance-length histogram {{{hist}}}{frac}")
+                     f"acceptance-length histogram {{{hist}}}{chosen}{frac}")
     return (["", "### Acceptance"] + lines) if lines else []
 
 

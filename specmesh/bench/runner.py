@@ -63,6 +63,10 @@ def spec_to_dict(spec: pb.SpecStats) -> dict:
         "draft_failures": spec.draft_failures,
         "draft_time_s": spec.draft_time_s,
         "verify_time_s": spec.verify_time_s,
+        "chosen_k": {int(k): int(v) for k, v in spec.chosen_k.items()},
+        "predraft_hits": spec.predraft_hits,
+        "predraft_misses": spec.predraft_misses,
+        "draft_wait_s": spec.draft_wait_s,
     }
 
 

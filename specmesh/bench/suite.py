@@ -154,7 +154,7 @@ def request_options(args, mode: Mode, k: int) -> RequestOptions:
         method, k, tree = "off", None, None
     else:
         method, own_k, tree = parse_drafter(mode.drafter) if mode.drafter else ("", None, None)
-        k = own_k if own_k is not None else k
+        k = own_k if own_k is not None else (k if getattr(args, "k_given", True) else None)
     return RequestOptions(max_tokens=args.max_tokens, temperature=args.temperature, seed=args.seed,
                           method=method, k=k, timeout_s=args.timeout, tree_budget=tree)
 
@@ -279,6 +279,7 @@ def main(args) -> int:
 
     started = time.monotonic()
     cfg = load_config(args.config)
+    args.k_given = args.k is not None  # else the mesh's own k policy decides (the peers use the default k)
     if args.k is None:
         args.k = cfg.speculative.num_speculative_tokens
     if not args.threads:

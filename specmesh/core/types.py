@@ -63,6 +63,7 @@ class VerifyOutcome:
     # [accepted + 1, F] bfloat16: target features of the slots committed to the KV cache
     # ([pending, accepted drafts...]), when the round asked for them (FeatureSpec)
     features: torch.Tensor | None = None
+    cost: dict | None = None  # the target's verify cost model (core/costmodel.VerifyCost.as_dict)
 
     @property
     def recovered(self) -> bool:
@@ -83,6 +84,7 @@ class FeatureSpec:
 class PrefillOutcome:
     token: int  # the first output token
     features: torch.Tensor | None = None  # [rows, F] bfloat16, the prompt's last rows (FeatureSpec)
+    cost: dict | None = None  # the target's verify cost model (core/costmodel.VerifyCost.as_dict)
 
 
 @dataclass
@@ -100,6 +102,10 @@ class SpecStats:
     verify_time_s: float = 0.0
     feature_bytes: int = 0  # target features received from the target tier (block drafter)
     draft_feature_bytes: int = 0  # target features sent on to the draft tier
+    chosen_k: dict[int, int] = field(default_factory=dict)  # k drafted per round -> rounds
+    predraft_hits: int = 0  # overlap: rounds whose draft was drafted during the previous verify
+    predraft_misses: int = 0  # overlap: pre-drafts dropped (the previous round was not accepted in full)
+    draft_wait_s: float = 0.0  # overlap: time rounds waited for a pre-draft still in flight
 
     def record(self, drafted: int, accepted: int, emitted: int, positions: int | None = None) -> None:
         """positions: draft positions (depths) of the round; default = drafted (a chain). A draft
@@ -133,3 +139,4 @@ class GenerationRequest:
     deadline: float | None = None  # time.monotonic() by which the request must end
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     tree_budget: int = 0  # draft-tree nodes per round (block drafter); 0 = chain
+    k_max: int = 0  # > 0: k is chosen per round for goodput in 0..k_max (speculative.k_policy goodput)

@@ -41,14 +41,15 @@ ATTN_NAME = "specmesh_pool"
 @dataclass
 class _Seq:
     """One sequence of a step. mask: [n, L + n] bool on the device (None: all visible);
-    slots: row_exact tree rows, the visible slot indices of each row (None for chains)."""
+    paths: row_exact tree rows, each row's ancestor path as new-token indices, root first (None
+    for chains)."""
 
     kv: SequenceKV
     offset: int
     n: int
     causal: bool = False
     mask: torch.Tensor | None = None
-    slots: list[torch.Tensor] | None = None
+    paths: list[torch.Tensor] | None = None
 
 
 @dataclass
@@ -76,6 +77,28 @@ def _sdpa(q, k, v, mask, causal: bool, scale):
                                           enable_gqa=q.shape[1] != k.shape[1])
 
 
+def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
+    """Deterministic rows: each query row alone, unmasked, over exactly the slots it sees laid out
+    as a one-token step sees them: the cache, then its own path. q: [1, heads, n, D]; k, v: the
+    sequence's pool views [1, kv_heads, L + n, D]; out: [n, heads, D]. A chain row j sees slots
+    [0, L + j + 1) in place. A tree row sees the cache and its ancestors: its path's few slots are
+    copied right after the cache for its call, and the tree's slots are put back afterwards."""
+    n = q.shape[2]
+    if paths is None:
+        for j in range(n):
+            out[j] = _sdpa(q[:, :, j : j + 1], k[:, :, : length + j + 1], v[:, :, : length + j + 1], None, False,
+                           scale)[0, :, 0]
+        return
+    tree_k, tree_v = k[:, :, length:].clone(), v[:, :, length:].clone()  # [1, kv_heads, n, D]
+    for j, path in enumerate(paths):
+        d = len(path)
+        k[:, :, length : length + d] = tree_k.index_select(2, path)
+        v[:, :, length : length + d] = tree_v.index_select(2, path)
+        out[j] = _sdpa(q[:, :, j : j + 1], k[:, :, : length + d], v[:, :, : length + d], None, False, scale)[0, :, 0]
+    k[:, :, length:] = tree_k
+    v[:, :, length:] = tree_v
+
+
 def pool_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0, **kwargs):
     """query: [1, heads, T, D]; key/value: [1, kv_heads, T, D] (the packed new rows, RoPE applied)
     -> ([1, T, heads, D], None). Outside batched_step: HF's own SDPA path, unchanged."""
@@ -93,10 +116,7 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
         s.kv.write(layer, key[0, :, a : a + n], value[0, :, a : a + n])
         k, v = s.kv.keys(layer, length + n)[None], s.kv.values(layer, length + n)[None]  # [1, kv_heads, L + n, D]
         if plan.row_exact and n > 1:
-            for j in range(n):  # the one-token step's call: one query row, exactly its slots, unmasked
-                kj, vj = ((k[:, :, : length + j + 1], v[:, :, : length + j + 1]) if s.slots is None
-                          else (k.index_select(2, s.slots[j]), v.index_select(2, s.slots[j])))
-                out[a + j] = _sdpa(query[:, :, a + j : a + j + 1], kj, vj, None, False, scaling)[0, :, 0]
+            _rows_exact(query[:, :, a : a + n], k, v, length, s.paths, scaling, out[a : a + n])
             continue
         o = _sdpa(query[:, :, a : a + n], k, v, s.mask, s.causal, scaling)  # [1, heads, n, D]
         out[a : a + n] = o[0].transpose(0, 1)
@@ -137,9 +157,8 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool) -> tuple[_Plan, list[
         positions += [length + int(x) for x in depth] if depth is not None else range(length, length + n)
         s = _Seq(kv, offset, n)
         if row_exact and n > 1:
-            if tree is not None:
-                cache = torch.arange(length, device=kv.device)
-                s.slots = [torch.cat([cache, length + tree[j].nonzero().flatten().to(kv.device)]) for j in range(n)]
+            if tree is not None:  # topological order: a row's ancestors in index order are root first
+                s.paths = [tree[j].nonzero().flatten().to(kv.device) for j in range(n)]
         elif length == 0 and tree is None and n > 1:
             s.causal = True
         elif n > 1:

@@ -99,4 +99,22 @@ def stats_to_pb(stats: SpecStats, method: str) -> pb.SpecStats:
         verify_time_s=stats.verify_time_s,
         feature_bytes=stats.feature_bytes,
         draft_feature_bytes=stats.draft_feature_bytes,
+        chosen_k=stats.chosen_k,
+        predraft_hits=stats.predraft_hits,
+        predraft_misses=stats.predraft_misses,
+        draft_wait_s=stats.draft_wait_s,
     )
+
+
+def cost_to_pb(cost: dict | None) -> pb.VerifyCostTable | None:
+    """A VerifyCost.as_dict() -> VerifyCostTable (None -> None)."""
+    if cost is None:
+        return None
+    return pb.VerifyCostTable(rows=cost["rows"], seconds=cost["seconds"], mean_batch=cost["mean_batch"])
+
+
+def cost_from_pb(msg: pb.VerifyCostTable) -> dict | None:
+    """Inverse of cost_to_pb; None for an empty table (a worker that sent none)."""
+    if not msg.rows or len(msg.rows) != len(msg.seconds):
+        return None
+    return {"rows": list(msg.rows), "seconds": list(msg.seconds), "mean_batch": msg.mean_batch or 1.0}

@@ -63,13 +63,18 @@ def test_tree_nodes_are_bitwise_their_ancestor_path(model, prefilled, one_token_
     kv = prefilled(model, prompt)
     out = batched_step(model, [kv], [toks], new_masks=[mask], depths=[depth], row_exact=True)[0]
     for node in range(len(toks)):
-        path, n = [], node
-        while n != -1:
-            path.append(n)
-            n = parents[n]
-        path.reverse()
+        path = root_path(parents, node)
         ref = one_token_steps(model, prompt, [toks[i] for i in path])
         assert torch.equal(out.logits[node], ref[-1]), f"node {node} (path {path})"
+
+
+def root_path(parents: list[int], node: int) -> list[int]:
+    """Indices root -> ... -> node (parents over [root, drafts], root's parent -1)."""
+    path = []
+    while node != -1:
+        path.append(node)
+        node = parents[node]
+    return path[::-1]
 
 
 def test_equal_length_one_token_rows_are_bitwise_each_alone(model, prefilled, one_token_steps):

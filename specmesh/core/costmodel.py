@@ -1,0 +1,69 @@
+"""A target worker's verify cost model: seconds of one forward by the rows it packs. Pure.
+
+The engine packs every sequence's new positions into one forward (specmesh/engine/kv.py), so a
+forward's time follows its total row count T = sum over the batch of (k_b + 1), plus a small
+per-sequence part (attention). The model keeps the seconds of a forward at a few row counts
+(ROWS), seeded by a measurement at start-up and kept current from every batch the worker runs
+(an exponential moving average at the nearest bucket), and answers any row count by linear
+interpolation (beyond the last bucket: linear extrapolation from the last two).
+
+What the coordinator needs for the goodput rule is T(B, q), the time of a round of q positions
+for a sequence verified beside B-1 others: estimate(B * q) with B the worker's recent mean batch.
+"""
+
+from __future__ import annotations
+
+import bisect
+import threading
+
+ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # buckets: a one-token step, chains of k=1..16, a few batches
+
+
+class VerifyCost:
+    def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.1):
+        self.alpha = alpha
+        self._lock = threading.Lock()
+        self.table: dict[int, float] = dict(sorted((seconds or {}).items()))
+        self.mean_batch = 1.0
+
+    def observe(self, rows: int, seconds: float, batch: int = 1) -> None:
+        """Fold in one forward of `rows` packed rows over `batch` sequences."""
+        if rows < 1 or seconds <= 0:
+            return
+        with self._lock:
+            bucket = min(ROWS, key=lambda r: abs(r - rows))
+            if abs(bucket - rows) <= max(1, bucket // 4):  # close enough to stand for the bucket
+                old = self.table.get(bucket)
+                self.table[bucket] = seconds if old is None else old + self.alpha * (seconds - old)
+                self.table = dict(sorted(self.table.items()))
+            self.mean_batch += self.alpha * (batch - self.mean_batch)
+
+    def estimate(self, rows: float) -> float:
+        """Seconds of a forward of `rows` rows (interpolated; 1.0 per row when nothing is known)."""
+        with self._lock:
+            pts = sorted(self.table.items())
+        if not pts:
+            return float(rows)
+        xs, ys = [x for x, _ in pts], [y for _, y in pts]
+        if rows <= xs[0]:
+            return ys[0]
+        if len(xs) == 1:
+            return ys[0] * rows / xs[0]
+        i = min(bisect.bisect_left(xs, rows), len(xs) - 1)  # past the last bucket: extend its segment
+        x0, y0, x1, y1 = xs[i - 1], ys[i - 1], xs[i], ys[i]
+        return max(ys[0], y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
+
+    def round_cost(self, positions: int, batch: float | None = None) -> float:
+        """T(B, q): seconds of a round of q positions beside B-1 other sequences' rounds."""
+        b = self.mean_batch if batch is None else batch
+        return self.estimate(max(1.0, b) * positions)
+
+    def as_dict(self) -> dict:
+        with self._lock:
+            return {"rows": list(self.table), "seconds": list(self.table.values()), "mean_batch": self.mean_batch}
+
+    @classmethod
+    def from_dict(cls, data: dict) -> VerifyCost:
+        cost = cls(dict(zip((int(r) for r in data.get("rows", ())), (float(s) for s in data.get("seconds", ())))))
+        cost.mean_batch = float(data.get("mean_batch", 1.0))
+        return cost

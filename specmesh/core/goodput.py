@@ -1,0 +1,115 @@
+"""Goodput-chosen speculation length: k per request and per round. Pure (no grpc, no torch).
+
+The rule of vLLM's dynamic speculative decoding and of SmartSpec/TurboSpec: with a_j the rate at
+which draft position j is accepted once position j-1 was, and T(B, q) the target's verify time
+for q positions at batch B, a round of k drafts emits on average
+
+    E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j      tokens (the target's own token always comes)
+
+in T(B, k + 1) seconds. Choose k in 0..k_max maximising E(k) / T(B, k + 1). k = 0 is a
+candidate, so speculation switches itself off where it cannot pay (a loaded target, text that
+does not copy its context, a drafter that does not fit it).
+
+KPolicy keeps a_j per request (an exponential moving average over rounds, seeded from the
+drafter's global rates), probes one position beyond the chosen k now and then so the estimate of
+longer drafts does not starve, and moves k only when the new choice beats the current one by a
+margin (hysteresis), so k does not flap on noise.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+from typing import Callable
+
+# a drafter's a_j before anything is measured: MT-Bench's n-gram rates, conditional (docs/bench)
+DEFAULT_SEED = (0.3, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8)
+
+
+def expected_tokens(rates: list[float], k: int) -> float:
+    """E(k) = 1 + sum_{i<=k} prod_{j<=i} a_j (rates[j-1] = a_j; missing positions count as 0)."""
+    total, run = 1.0, 1.0
+    for i in range(k):
+        run *= rates[i] if i < len(rates) else 0.0
+        total += run
+    return total
+
+
+def best_k(rates: list[float], cost: Callable[[int], float], k_max: int) -> tuple[int, float]:
+    """(k, goodput) maximising expected_tokens(rates, k) / cost(k + 1) over k in 0..k_max;
+    ties go to the smaller k. cost(q): seconds of a verify of q positions (q >= 1)."""
+    best, best_rate = 0, expected_tokens(rates, 0) / cost(1)
+    for k in range(1, k_max + 1):
+        rate = expected_tokens(rates, k) / cost(k + 1)
+        if rate > best_rate * (1 + 1e-9):
+            best, best_rate = k, rate
+    return best, best_rate
+
+
+@dataclass
+class KPolicy:
+    """Per request: a_j estimates and the k in force. seed: the drafter's global a_j."""
+
+    k_max: int
+    seed: list[float]
+    alpha: float = 0.2  # EMA weight of the newest round
+    margin: float = 0.05  # a new k must beat the current one's goodput by this fraction
+    probe_every: int = 8  # every n-th round drafts one position more than chosen (if k_max allows)
+    rates: list[float] = field(default_factory=list)
+    k: int = -1  # the k in force (-1: none chosen yet)
+    rounds: int = 0
+    history: dict[int, int] = field(default_factory=dict)  # chosen k -> rounds
+
+    def __post_init__(self) -> None:
+        self.rates = [min(1.0, max(0.0, x)) for x in self.seed[: self.k_max]]
+        self.rates += [0.0] * (self.k_max - len(self.rates))
+
+    def choose(self, cost: Callable[[int], float], limit: int | None = None) -> int:
+        """This round's k (<= limit, e.g. the tokens left minus one)."""
+        cap = self.k_max if limit is None else max(0, min(self.k_max, limit))
+        new, new_rate = best_k(self.rates, cost, cap)
+        if self.k < 0 or self.k > cap:
+            self.k = new
+        elif new != self.k:
+            current = expected_tokens(self.rates, self.k) / cost(self.k + 1)
+            if new_rate > current * (1 + self.margin):
+                self.k = new
+        k = self.k
+        self.rounds += 1
+        if self.probe_every and self.rounds % self.probe_every == 0 and k < cap:
+            k += 1  # probe one position further so its rate keeps being measured
+        self.history[k] = self.history.get(k, 0) + 1
+        return k
+
+    def update(self, drafted: int, accepted: int) -> None:
+        """Fold one round in: positions 1..accepted were accepted, position accepted+1 (if drafted)
+        was rejected; positions past it were not tried (conditional rates: no information)."""
+        for j in range(min(drafted, accepted + 1)):
+            hit = 1.0 if j < accepted else 0.0
+            self.rates[j] += self.alpha * (hit - self.rates[j])
+
+
+class RateBook:
+    """Process-wide a_j per drafter: each request's KPolicy starts from its drafter's entry and
+    folds its rounds back in, so new requests start from what the mesh has seen (thread-safe)."""
+
+    def __init__(self, alpha: float = 0.02):
+        self.alpha = alpha
+        self._rates: dict[str, list[float]] = {}
+        self._lock = threading.Lock()
+
+    def seed(self, method: str, k_max: int) -> list[float]:
+        with self._lock:
+            rates = self._rates.get(method) or list(DEFAULT_SEED)
+        return (rates + [rates[-1]] * k_max)[:k_max]
+
+    def update(self, method: str, drafted: int, accepted: int) -> None:
+        with self._lock:
+            rates = self._rates.setdefault(method, list(DEFAULT_SEED))
+            rates += [rates[-1]] * (drafted - len(rates))
+            for j in range(min(drafted, accepted + 1)):
+                rates[j] += self.alpha * ((1.0 if j < accepted else 0.0) - rates[j])
+
+    def snapshot(self) -> dict[str, list[float]]:
+        with self._lock:
+            return {m: list(r) for m, r in self._rates.items()}

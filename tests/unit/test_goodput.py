@@ -1,0 +1,74 @@
+"""The goodput rule (specmesh/core/goodput.py) and the verify cost model (core/costmodel.py),
+with hand-built costs and acceptance rates."""
+
+from __future__ import annotations
+
+import pytest
+
+from specmesh.core.costmodel import VerifyCost
+from specmesh.core.goodput import KPolicy, best_k, expected_tokens
+
+
+def test_expected_tokens_multiplies_conditional_rates():
+    assert expected_tokens([0.5, 0.5], 0) == 1.0
+    assert expected_tokens([0.5, 0.5], 2) == pytest.approx(1 + 0.5 + 0.25)
+    assert expected_tokens([0.9], 3) == pytest.approx(1.9)  # untried positions count as never accepted
+
+
+def test_free_verify_takes_every_accepted_position_and_k0_wins_when_verify_costs():
+    flat = lambda q: 1.0  # noqa: E731 - verifying is free: any useful position pays
+    assert best_k([0.8, 0.6, 0.4, 0.0], flat, 4)[0] == 3  # a position never accepted adds nothing
+    steep = lambda q: 1.0 + 0.5 * (q - 1)  # noqa: E731 - each position costs half a step
+    assert best_k([0.3, 0.2, 0.1], steep, 3) == (0, pytest.approx(1.0))  # 1.3 / 1.5 < 1: off
+    assert best_k([0.9, 0.9, 0.9], steep, 3)[0] == 3  # (1 + .9 + .81 + .729) / 2.5 = 1.38
+
+
+def test_loaded_target_turns_speculation_off():
+    """The same acceptance pays at batch 1 and not at batch 16, where verify rows cost compute."""
+    cost = VerifyCost({1: 0.040, 2: 0.042, 5: 0.050, 16: 0.100, 32: 0.180, 80: 0.440})
+    rates = [0.6, 0.4, 0.3, 0.2]
+    assert best_k(rates, lambda q: cost.round_cost(q, batch=1), 4)[0] >= 2
+    assert best_k(rates, lambda q: cost.round_cost(q, batch=16), 4)[0] == 0
+
+
+def test_policy_learns_switches_off_and_probes_back():
+    cost = lambda q: 1.0 + 0.3 * (q - 1)  # noqa: E731
+    p = KPolicy(k_max=4, seed=[0.8, 0.7, 0.6, 0.5], probe_every=4)
+    assert p.choose(cost) >= 2
+    for _ in range(30):  # the text stops copying its context: every draft rejected
+        k = p.choose(cost)
+        p.update(k, 0)
+    assert p.k == 0 and p.rates[0] < 0.1  # EMA of rejections (probe rounds keep measuring it)
+    ks = [p.choose(cost) for _ in range(8)]
+    assert ks.count(1) == 2 and ks.count(0) == 6  # every 4th round probes one position
+    for _ in range(40):  # and it copies again: probes are accepted, the rate climbs back
+        k = p.choose(cost)
+        p.update(k, k)
+    assert p.k >= 1 and sum(p.history.values()) == p.rounds
+
+
+def test_hysteresis_keeps_k_within_the_margin():
+    cost = lambda q: 1.0 + 0.1 * (q - 1)  # noqa: E731
+    p = KPolicy(k_max=3, seed=[0.5, 0.5, 0.5], margin=0.5, probe_every=0)
+    first = p.choose(cost)
+    p.rates = [0.55, 0.45, 0.5]  # a small change: the goodput moves less than the margin
+    assert p.choose(cost) == first
+
+
+def test_limit_caps_k_and_update_ignores_untried_positions():
+    p = KPolicy(k_max=4, seed=[0.9] * 4, probe_every=0)
+    assert p.choose(lambda q: 1.0, limit=2) == 2
+    p.update(drafted=4, accepted=1)  # position 1 accepted, 2 rejected, 3-4 untried
+    assert p.rates[0] > 0.9 and p.rates[1] < 0.9 and p.rates[2:] == [0.9, 0.9]
+
+
+def test_cost_model_interpolates_observes_and_round_trips():
+    c = VerifyCost({1: 0.04, 5: 0.06, 17: 0.13})
+    assert c.estimate(1) == 0.04 and c.estimate(3) == pytest.approx(0.05) and c.estimate(33) > 0.13
+    c.observe(5, 0.16, batch=4)  # an EMA step at the nearest bucket
+    assert 0.06 < c.estimate(5) < 0.16 and c.mean_batch > 1
+    c.observe(100, 1.0)  # far from every bucket: no table change
+    assert sorted(c.table) == [1, 5, 17]
+    again = VerifyCost.from_dict(c.as_dict())
+    assert again.table == c.table and again.mean_batch == c.mean_batch
+    assert VerifyCost().estimate(3) == 3.0  # nothing known: one unit per row

@@ -1,0 +1,116 @@
+"""The coordinator's goodput k (speculative.k_policy: goodput) against fake tiers that send a
+hand-built verify cost model, as a target worker does with every Prefill/Verify response."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from specmesh.core.goodput import RateBook
+from specmesh.core.types import PrefillOutcome, VerifyOutcome
+from tests.unit.test_loop import SCRIPT, FakeDrafts, FakeTarget, FakeTokenizer, request
+
+from coordinator.loop import Generation
+
+
+class CostedTarget(FakeTarget):
+    """FakeTarget that also reports a verify cost model: seconds by packed rows."""
+
+    def __init__(self, table: dict[int, float], **kw):
+        super().__init__(**kw)
+        self.table = table
+
+    def _cost(self):
+        return {"rows": list(self.table), "seconds": list(self.table.values()), "mean_batch": 1.0}
+
+    def prefill_outcome(self, seq_id, prompt, params, timeout, features=None, max_new_tokens=0):
+        return PrefillOutcome(self.prefill(seq_id, prompt, params, timeout), None, self._cost())
+
+    def verify(self, seq_id, draft, timeout):
+        return dataclasses.replace(super().verify(seq_id, draft, timeout), cost=self._cost())
+
+
+def _run(target, drafts, k_max=6, max_tokens=60, book=None):
+    req = dataclasses.replace(request(max_tokens=max_tokens, k=4), k_max=k_max)
+    gen = Generation(req, target, drafts, FakeTokenizer(), {99}, 5.0, rate_book=book)
+    out = [t for chunk in gen.run() for t in chunk.token_ids]
+    assert out == SCRIPT[:max_tokens]  # whatever k is chosen, the output is the target's own
+    return gen
+
+
+def test_cheap_verify_and_a_perfect_drafter_grow_k_to_the_max():
+    gen = _run(CostedTarget({1: 1.0, 9: 1.05}), FakeDrafts())
+    assert max(gen.stats.chosen_k) == 6 and gen.stats.chosen_k.get(6, 0) >= gen.stats.rounds // 2
+
+
+def test_costly_verify_and_a_useless_drafter_turn_speculation_off():
+    drafts = FakeDrafts(wrong_after=0)  # every draft token wrong
+    gen = _run(CostedTarget({1: 1.0, 2: 1.6, 9: 5.0}), drafts)
+    assert gen.stats.chosen_k.get(0, 0) >= 0.7 * gen.stats.rounds  # k = 0: no Propose at all
+    assert len(drafts.calls) < 0.3 * gen.stats.rounds  # only the probes
+    assert gen.stats.accepted_tokens == 0
+
+
+def test_without_a_cost_model_or_with_explicit_k_the_k_is_fixed():
+    gen = _run(FakeTarget(), FakeDrafts())  # the target sends no cost model: fixed k = 4
+    assert set(gen.stats.chosen_k) <= {4, 3, 2, 1, 0} and gen.stats.chosen_k.get(4, 0) >= gen.stats.rounds - 1
+    req = request(max_tokens=30, k=3)  # k_max 0: the request chose k itself
+    gen = Generation(req, CostedTarget({1: 1.0, 9: 1.0}), FakeDrafts(), FakeTokenizer(), {99}, 5.0)
+    list(gen.run())
+    assert set(gen.stats.chosen_k) <= {3, 2, 1, 0} and gen.stats.chosen_k.get(3, 0) >= gen.stats.rounds - 2
+
+
+def test_the_rate_book_carries_acceptance_to_the_next_request():
+    book = RateBook(alpha=0.5)
+    _run(CostedTarget({1: 1.0, 9: 1.05}), FakeDrafts(wrong_after=1), book=book)
+    rates = book.seed("ngram", 4)
+    assert rates[0] > 0.9 and rates[1] < 0.2  # position 1 always right, position 2 always wrong
+
+
+def test_a_verify_outcome_carries_the_cost_model():
+    out = VerifyOutcome(1, [5, 6], False, None, {"rows": [1], "seconds": [0.1], "mean_batch": 1.0})
+    assert out.cost["seconds"] == [0.1]
+
+
+def test_local_ngram_drafts_without_a_hop_to_the_draft_tier():
+    from specmesh.core.ngram import propose_ngram
+
+    script = [5, 6, 7, 8] * 30  # a continuation that copies itself: n-gram drafts it well
+    target, drafts = FakeTarget(script=script), FakeDrafts(script=script)
+    req = request(max_tokens=40, k=4)
+    gen = Generation(req, target, drafts, FakeTokenizer(), {99}, 5.0,
+                     local_drafters={"ngram": lambda ctx, k: propose_ngram(ctx, k, 1, 4)})
+    out = [t for chunk in gen.run() for t in chunk.token_ids]
+    assert out == script[:40]
+    assert drafts.calls == [] and drafts.released == []  # no Propose, no Release on the draft tier
+    assert gen.stats.accepted_tokens > 20 and gen.stats.drafted_tokens > 0
+    nodraft = Generation(request(max_tokens=5, k=4), FakeTarget(), None, FakeTokenizer(), {99}, 5.0,
+                         local_drafters={"ngram": lambda ctx, k: propose_ngram(ctx, k, 1, 4)})
+    assert nodraft.method == "ngram"  # no draft tier at all: a local drafter still serves
+
+
+def test_overlap_drafts_the_next_round_during_the_verify_and_stays_lossless():
+    """A drafter that takes as long as a verify: with overlap each fully accepted round's successor
+    was drafted during its verify (hits); a rejected round's pre-draft is dropped (a miss)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    class SlowDrafts(FakeDrafts):
+        def propose(self, *a, **kw):
+            time.sleep(0.02)
+            return super().propose(*a, **kw)
+
+    with ThreadPoolExecutor(2) as pool:
+        perfect = SlowDrafts()
+        gen = Generation(request(max_tokens=40, k=3), FakeTarget(verify_sleep=0.02), perfect, FakeTokenizer(),
+                         {99}, 5.0, overlap=pool)
+        out = [t for chunk in gen.run() for t in chunk.token_ids]
+        assert out == SCRIPT[:40]
+        assert gen.stats.predraft_hits >= gen.stats.rounds - 2 and gen.stats.predraft_misses == 0
+        assert perfect.calls[0]["k"] == 4 and max(c["k"] for c in perfect.calls) == 4  # k + 1: the bonus guess
+        assert gen.stats.draft_wait_s < 0.02 * gen.stats.rounds  # drafts arrive while the target works
+
+        wrong = SlowDrafts(wrong_after=2)  # two right, then wrong: never accepted in full
+        gen = Generation(request(max_tokens=30, k=3), FakeTarget(), wrong, FakeTokenizer(), {99}, 5.0,
+                         overlap=pool)
+        assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:30]
+        assert gen.stats.predraft_hits == 0 and gen.stats.predraft_misses >= gen.stats.rounds - 1
