@@ -142,14 +142,15 @@ class TargetEngine:
         """Seed the cost model: time a forward of each bucket's row count (one sequence of
         `context` tokens, the rows as one chain) on the model thread's kernels; returns the table."""
         kv = self.pool.allocate(context + max(COST_ROWS) + 1)
+        ids = [i % self.vocab_size for i in range(1, context + max(COST_ROWS) + 1)]  # any valid tokens
         try:
-            batched_step(self.model, [kv], [list(range(1, context + 1))], logits_rows=[[context - 1]])
+            batched_step(self.model, [kv], [ids[:context]], logits_rows=[[context - 1]])
             kv.commit(context)
             for rows in COST_ROWS:
                 times = []
                 for _ in range(repeats + 1):  # the first is a warm-up
                     t0 = time.perf_counter()
-                    batched_step(self.model, [kv], [list(range(1, rows + 1))], row_exact=self.batch_invariant)
+                    batched_step(self.model, [kv], [ids[:rows]], row_exact=self.batch_invariant)
                     times.append(time.perf_counter() - t0)
                 self.cost.table[rows] = min(times[1:])
         finally:

@@ -101,6 +101,11 @@ def test_status_tracks_sequences_and_kv_bytes(worker, prompt_ids, target_model):
     st = _status(stub)
     assert st.kv_cache_bytes == per_token * (len(prompt_ids) + out.accepted + 1 + 10)
     assert engine.live_sequences() == 2 and engine.kv_bytes() == st.kv_cache_bytes
+    # the verify cost model: the 3-row round just run is in it, in Status and in the Verify reply
+    assert 3 in st.verify_cost.rows and all(s > 0 for s in st.verify_cost.seconds)
+    assert list(out.verify_cost.rows) and st.verify_cost.mean_batch >= 1
+    reserved = engine.reserved_tokens()  # each live sequence owns its range: held + headroom
+    assert reserved >= len(prompt_ids) + 10 + out.accepted + 1 and engine.pool.free_tokens() + reserved == engine.pool.max_tokens
 
     assert stub.Release(pb.ReleaseRequest(seq_id="s1"), timeout=10).released
     assert _status(stub).kv_cache_bytes == per_token * 10
@@ -108,6 +113,7 @@ def test_status_tracks_sequences_and_kv_bytes(worker, prompt_ids, target_model):
     assert not stub.Release(pb.ReleaseRequest(seq_id="s2"), timeout=10).released  # already gone
     st = _status(stub)
     assert (st.live_sequences, st.kv_cache_bytes, st.queue_length) == (0, 0, 0)
+    assert engine.reserved_tokens() == 0  # every range back in the pool
 
 
 def test_verify_reports_cache_length(worker, prompt_ids):

@@ -72,3 +72,22 @@ def test_cost_model_interpolates_observes_and_round_trips():
     again = VerifyCost.from_dict(c.as_dict())
     assert again.table == c.table and again.mean_batch == c.mean_batch
     assert VerifyCost().estimate(3) == 3.0  # nothing known: one unit per row
+
+
+def test_target_engine_measures_its_cost_model_at_start_and_returns_the_pool():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specmesh.core.costmodel import ROWS
+    from target_worker.engine import TargetEngine
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    engine = TargetEngine(LlamaForCausalLM(cfg).eval(), 4, 4, 1000, 60, cpu_kernel=False)
+    try:
+        table = engine.measure_cost(context=16, repeats=1)
+        assert table["rows"] == list(ROWS) and all(s > 0 for s in table["seconds"])
+        assert engine.reserved_tokens() == 0  # the scratch sequence's range went back
+    finally:
+        engine.close()
