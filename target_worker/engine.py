@@ -92,7 +92,7 @@ class TargetEngine:
         if getattr(cfg, "sliding_window", None) and getattr(cfg, "use_sliding_window", True):
             # pool attention reads every slot: keep sequences inside the window, where that is exact
             self.context_window = min(self.context_window, int(cfg.sliding_window))
-        self.max_sequences, self.max_tokens, self.idle_timeout_s = max_sequences, max_tokens, idle_timeout_s
+        self.max_sequences, self.idle_timeout_s = max_sequences, idle_timeout_s
         self.pool = new_pool(model, max_tokens)  # the KV of every sequence, allocated once (pool.py)
         self.cost = VerifyCost()  # seconds per verify forward by packed rows (measure_cost, every batch)
         self._seqs: dict[str, Sequence] = {}

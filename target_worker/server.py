@@ -122,7 +122,7 @@ def main(argv=None) -> int:
              f" (probed: batched rows bitwise the one-row calls up to {rowexact.probed(model)})"
              if rowexact.is_installed(model) else "")
     log.info("verify cost model (rows -> seconds, measured at start): %s", engine.measure_cost())
-    watch_target_engine(engine, c.max_tokens)
+    watch_target_engine(engine)
     servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
     service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,
                               lambda s: pb_grpc.add_TargetWorkerServicer_to_server(servicer, s), wcfg.max_workers,

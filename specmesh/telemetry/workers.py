@@ -16,7 +16,7 @@ def admission_limiter(role: str, admission_cfg) -> AdmissionLimiter:
     return limiter
 
 
-def watch_target_engine(engine, max_tokens: int) -> None:
+def watch_target_engine(engine) -> None:
     """Live sequences, KV bytes / tokens / usage and the batch queue, computed on each scrape."""
     metrics.LIVE_SEQUENCES.set_function(engine.live_sequences)
     metrics.KV_BYTES.set_function(engine.kv_bytes)

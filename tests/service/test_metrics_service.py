@@ -20,7 +20,7 @@ def scraped(target_model, prompt_encoder):
     from specmesh.rpc.server import Service
 
     mesh = start_mesh(target_model, prompt_encoder)
-    watch_target_engine(mesh.engine, mesh.cfg.target_worker.cache.max_tokens)
+    watch_target_engine(mesh.engine)
     # a service with its own /metrics on a free port (metrics.<service>_port: -1)
     svc = Service("specmesh.v1.DraftWorker", "127.0.0.1:0", lambda s: None, 4, metrics_port=-1).start()
     assert svc.metrics_port and svc.metrics_port > 0
