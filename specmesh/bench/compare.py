@@ -7,8 +7,9 @@ hf_generate row shows the mesh's overhead against plain HF at batch 1.
 Token identity (temperature 0 only): every spec run's output of every prompt is compared with
 the mesh AR output of that prompt at the lowest level (concurrency 1 when run = unbatched).
 Peer differences (hf_generate vs mesh AR, hf_prompt_lookup vs hf_generate) are listed apart
-as `peer_mismatches`: HF computes its LM head in bf16, the mesh in fp32, so near-ties can
-legitimately pick another token.
+as `peer_mismatches`: HF's prompt lookup verifies its drafts in one batched forward (other GEMM
+kernels than its one-token steps), and the mesh's AR may run other kernels than HF (the packed CPU
+kernel, float32), so near-ties can legitimately pick another token.
 """
 
 from __future__ import annotations

@@ -149,7 +149,7 @@ def summary_section(doc: dict) -> list[str]:
             lines.append(f"- AR at higher concurrency vs AR reference: {len(doc['batching_mismatches'])} difference(s)")
         if doc.get("peer_mismatches"):
             ids = sorted({f"{d['mode']}:{d['prompt_id']}" for d in doc["peer_mismatches"]})
-            lines.append(f"- peer outputs differing (HF's bf16 LM head and batched verify vs the mesh's fp32 head; "
+            lines.append(f"- peer outputs differing (batched verify in HF's prompt lookup, other kernels; "
                          f"informational): {', '.join(ids)}")
     else:
         lines.append("- T=0 token identity: not checked (needs --compare and --temperature 0)")

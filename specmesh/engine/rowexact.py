@@ -22,7 +22,8 @@ device and thread count, not by the values. ``install`` probes each distinct lin
 LM head) once: the largest M such that a batched call over M' rows gives bitwise the rows of M'
 one-row calls for every M' <= M, from an aligned start and from an offset one (a chunk of a
 larger batch), on wide-range random data (values 2^-12 .. 2^12, so any other summation order shows
-through the output's rounding; real weights mostly hide it). ``cheap`` says whether the probe
+through the output's rounding; real weights mostly hide it), over several draws, rounded down to
+a power of two (probe_rows says why). ``cheap`` says whether the probe
 found deterministic verification nearly free (every count >= CHEAP_ROWS): `batch_invariant: auto`
 turns it on exactly then. The probe runs under the thread count in force at install, which the
 worker sets before loading the model.
@@ -44,7 +45,8 @@ _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_row_exa
 
 PROBE_ROWS = 64  # largest batched row count probed for the decoder's linears
 PROBE_HEAD_ROWS = 32  # ... and for the LM head (a bigger GEMM: V x H)
-PROBE_TRIALS = 4  # random draws per probe; the smallest count found wins
+PROBE_TRIALS = 12  # random draws per linear shape; the smallest count found wins
+PROBE_HEAD_TRIALS = 6  # ... for the LM head (each draw costs ~0.5 s there)
 CHEAP_ROWS = 8  # batch_invariant auto: deterministic when every probed count reaches this
 
 
@@ -83,8 +85,13 @@ def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
                apply=F.linear, trials: int = PROBE_TRIALS) -> int:
     """The smallest invariant_rows of apply(x, W', b') over `trials` draws of wide-range W', b', x
-    shaped, strided and typed like weight / bias. weight: [out, in]; bias: [out] or None;
-    apply(x [M, in], W', b') -> [M, out]."""
+    shaped, strided and typed like weight / bias, rounded down to a power of two. weight: [out,
+    in]; bias: [out] or None; apply(x [M, in], W', b') -> [M, out].
+
+    Why the rounding: libraries block M in powers of two, and rows past a block (a tail kernel)
+    can match the one-row calls on some data and not on other. Seen on an Intel Xeon (AMX), bf16
+    576x576: over 16 draws the count was 32 in half of them and 34..64 in the rest; 4 draws gave
+    36, and a 36-row chunk of real activations then differed from the one-row calls."""
     found = max_rows
     with torch.no_grad():
         for t in range(trials):
@@ -95,7 +102,7 @@ def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
             found = min(found, invariant_rows(lambda r: apply(r, w, b), x))
             if found == 0:
                 break
-    return found
+    return 1 << (found.bit_length() - 1) if found else 0
 
 
 def _apply_of(mod: torch.nn.Linear):
@@ -151,7 +158,8 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
     route(model)
     _probe_linears(model)
     head = model.get_output_embeddings()  # [V, H], the model's dtype (kv.lm_head)
-    model._specmesh_head_rows = probe_rows(head.weight, None, PROBE_HEAD_ROWS, apply=_apply_of(head))
+    model._specmesh_head_rows = probe_rows(head.weight, None, PROBE_HEAD_ROWS, apply=_apply_of(head),
+                                          trials=PROBE_HEAD_TRIALS)
     model._specmesh_row_exact = True
     return model
 

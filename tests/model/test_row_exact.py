@@ -85,3 +85,23 @@ def test_equal_length_one_token_rows_are_bitwise_each_alone(model, prefilled, on
     outs = batched_step(model, kvs, [[11], [12], [13]], row_exact=True)
     for p, t, out in zip(prompts, [11, 12, 13], outs):
         assert torch.equal(out.logits, one_token_steps(model, p, [t]))
+
+
+def test_a_packed_batch_wider_than_one_gemm_chunk_is_bitwise_each_sequence_alone(model, prefilled):
+    """Five 9-node trees and eight 6-position chains: 45 and 48 packed rows, past the probed row
+    count of every linear here (32 on an AMX Xeon), so the linears run in several chunks. Each
+    sequence's logits equal its verify alone (which the tests above tie to the one-token steps).
+    A probed count that fit the probe's data but not real activations (36 for 576x576 there,
+    before probe_rows rounded to a power of two) failed this with 14 of 16 trees differing."""
+    from specmesh.bench.micro import tree_mask
+
+    gen = torch.Generator().manual_seed(3)
+    for trees, batch, n in ((True, 5, 8), (False, 8, 5)):
+        kvs = [prefilled(model, _tokens(60 + b, 20 + 17 * b)) for b in range(batch)]
+        layouts = [tree_mask(n, gen) if trees else (None, None) for _ in kvs]
+        toks = [_tokens(80 + b, n + 1) for b in range(batch)]
+        masks, depths = [m for m, _ in layouts], [d for _, d in layouts]
+        together = batched_step(model, kvs, toks, new_masks=masks, depths=depths, row_exact=True)
+        for b, out in enumerate(together):
+            alone = batched_step(model, [kvs[b]], [toks[b]], new_masks=[masks[b]], depths=[depths[b]], row_exact=True)
+            assert torch.equal(out.logits, alone[0].logits), f"trees={trees} sequence {b}"
