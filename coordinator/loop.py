@@ -81,8 +81,9 @@ class Generation:
         self.predraft = None if overlap is None or drafts is None else Predrafter(
             lambda ctx, n, r: self.drafts.propose(self.seq_id, ctx, n, self.method, self.req.params, r,
                                                   self.draft_timeout_s), overlap)
-        # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model
-        self.rounds = RoundPolicy(req.k_max, rate_book, control)
+        # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model (a tree: its
+        # node budget or none)
+        self.rounds = RoundPolicy(req.k_max, rate_book, control, tree_budget=req.tree_budget)
         # feature_spec: what to ask the target for when the drafter reads target features (block);
         # None: such drafters get no features (they report misses and rounds run without drafts)
         self.feature_spec = feature_spec

@@ -76,8 +76,8 @@ class SpeculativeConfig:
     feature_window: int = 64  # block drafter: newest committed positions it reads
     # goodput: k per round in 0..goodput_k_max maximising expected tokens / verify time (the target's
     # cost model, core/goodput.py); fixed: num_speculative_tokens every round. A request that sets
-    # its own num_speculative_tokens is always fixed; trees keep their budget.
-    k_policy: str = "fixed"  # goodput: opt-in until the round-policy issue's benchmarks land
+    # its own num_speculative_tokens is always fixed; a tree's node budget is chosen the same way.
+    k_policy: str = "goodput"
     goodput_k_max: int = 8  # capped at max_speculative_tokens
 
     def validate(self, key: str) -> None:
@@ -138,7 +138,7 @@ class CoordinatorConfig:
     max_target_failovers: int = 2  # a sequence whose target dies is re-prefilled elsewhere this often
     # n-gram drafts in the coordinator, where the context is (draft_worker.ngram's sizes): no
     # Propose hop; false: the draft tier serves n-gram like the model drafters
-    local_ngram: bool = False  # opt-in until the round-policy issue's benchmarks land
+    local_ngram: bool = True
     # draft round r+1 while the target verifies round r, on the guess that r is accepted in full
     # (coordinator/predraft.py; remote chain drafters); opt-in until its benchmarks land
     overlap_drafting: bool = False

@@ -202,8 +202,9 @@ def start_services(target_model, prompt_encoder, overrides: dict | None = None,
     base = {
         "runtime": {"log_level": "WARNING"},
         "gateway": {"listen": addr["gateway"], "coordinator": addr["coordinator"], "max_workers": 16},
+        # local_ngram false: n-gram stands in for a model drafter here, so its rounds cross the draft tier
         "coordinator": {"listen": addr["coordinator"], "draft_workers": [addr["draft_worker"]],
-                        "target_workers": [addr["target_worker"]], "max_workers": 16},
+                        "target_workers": [addr["target_worker"]], "max_workers": 16, "local_ngram": False},
         "draft_worker": {"listen": addr["draft_worker"], "max_workers": 16},
         "target_worker": {"listen": addr["target_worker"], "max_workers": 16},
     }

@@ -72,6 +72,33 @@ def add_speedups(runs: list[dict]) -> None:
             r["speedup_vs_ar"] = None
 
 
+def _tokens_per_s_by_category(run: dict) -> dict[str, float]:
+    """Per category: output tokens / summed request latency (at concurrency 1, requests run one at
+    a time, so this is that category's tokens/s)."""
+    sums: dict[str, list[float]] = {}
+    for rec in run.get("_records", []):
+        if rec.ok and rec.category and rec.latency:
+            acc = sums.setdefault(rec.category, [0.0, 0.0])
+            acc[0] += rec.output_len
+            acc[1] += rec.latency
+    return {c: n / t for c, (n, t) in sums.items() if t > 0}
+
+
+def category_speedups(runs: list[dict]) -> dict[str, dict[str, float]]:
+    """Per spec / peer run at concurrency 1: {category: tokens/s over AR's for that category}."""
+    ar = next((r for r in runs if r["mode"] == "ar" and r.get("request_rate") is None and r["concurrency"] == 1), None)
+    if ar is None:
+        return {}
+    base = _tokens_per_s_by_category(ar)
+    out = {}
+    for r in runs:
+        if r["mode"] != "ar" and r.get("request_rate") is None and r["concurrency"] == 1:
+            mine = _tokens_per_s_by_category(r)
+            label = f"{r['mode']}/{r['drafter']}" if r["drafter"] else r["mode"]
+            out[label] = {c: mine[c] / base[c] for c in sorted(mine) if base.get(c)}
+    return out
+
+
 def break_evens(runs: list[dict]) -> dict[str, float | None]:
     """Per drafter: the first level where spec no longer beats AR (None if it always does)."""
     out = {}
@@ -144,12 +171,14 @@ def summarize_runs(runs: list[dict], args, num_prompts: int) -> dict:
         "command": command_line(),
         "dataset": args.dataset, "num_prompts": num_prompts, "max_tokens": args.max_tokens,
         "temperature": args.temperature, "seed": args.seed, "k": getattr(args, "k", None),
+        "k_given": getattr(args, "k_given", True),
         "torch_threads_setting": getattr(args, "threads", 0),
         "runs": runs,
         "break_even_concurrency": None if open_loop else first,
         "break_even_request_rate": first if open_loop else None,
         "break_even_by_drafter": by_drafter,
         "throughput_ratio_8_vs_1": throughput_ratios(runs),
+        "speedup_by_category": category_speedups(runs),
         "mismatch_checked": checked, "mismatches": len(spec_mm), "mismatch_details": spec_mm,
         "batching_mismatches": batch_mm, "peer_mismatches": peer_mm,
         "machine": machine_info(), "notes": NOTES,

@@ -129,7 +129,24 @@ def category_section(doc: dict) -> list[str]:
     lines = ["", "### Mean acceptance length per category (lowest level)",
              "| mode | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
     lines += [f"| {m} | " + " | ".join(_f(d.get(c), "{:.2f}") for c in cats) + " |" for m, d in per.items()]
+    speed = doc.get("speedup_by_category") or {}
+    if speed:
+        lines += ["", "### Speed-up vs AR per category (concurrency 1: tokens/s of the category's requests)",
+                  "| mode | " + " | ".join(cats) + " |", "|---|" + "---|" * len(cats)]
+        lines += [f"| {m} | " + " | ".join(_f(d.get(c), "{:.2f}x") for c in cats) + " |" for m, d in speed.items()]
     return lines
+
+
+def cost_section(doc: dict) -> list[str]:
+    """The target worker's verify cost model at the end of the run (what goodput k chose from)."""
+    cost = doc.get("target_cost")
+    if not cost or not cost.get("rows"):
+        return []
+    cells = ", ".join(f"{r}: {s * 1e3:.1f}" for r, s in zip(cost["rows"], cost["seconds"]))
+    base = cost["seconds"][0]
+    ratios = ", ".join(f"{r}: {s / base:.2f}x" for r, s in zip(cost["rows"], cost["seconds"]))
+    return ["", "### Target verify cost model (end of run; rows -> ms of one forward)",
+            f"- {cells} (mean batch {cost.get('mean_batch', 1.0):.1f})", f"- relative to one row: {ratios}"]
 
 
 def summary_section(doc: dict) -> list[str]:
@@ -159,14 +176,15 @@ def summary_section(doc: dict) -> list[str]:
 
 def to_markdown(doc: dict) -> str:
     title = (f"## specmesh bench: {doc.get('dataset')}, {doc.get('num_prompts')} prompts, "
-             f"max_tokens {doc.get('max_tokens')}, T={doc.get('temperature')}, k={doc.get('k')}")
+             f"max_tokens {doc.get('max_tokens')}, T={doc.get('temperature')}, " + (f"k={doc.get('k')}" if doc.get("k_given", True) else
+                    f"k: the mesh's policy ({(doc.get('mesh_config') or {}).get('k_policy', '?')}); peers k={doc.get('k')}"))
     m = doc.get("machine", {})
     mc = doc.get("mesh_config") or {}
     setting = (f"; target {mc.get('dtype')}, batch_invariant {str(mc.get('batch_invariant')).lower()}" if mc else "")
     wall = f"; the whole run took {doc['wall_s'] / 60:.1f} min" if doc.get("wall_s") else ""
     lines = [title, "", f"`{doc.get('command')}`", "",
              f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}, {m.get('date')}{setting}{wall}", ""]
-    lines += runs_table(doc) + acceptance_section(doc) + category_section(doc) + summary_section(doc)
+    lines += runs_table(doc) + acceptance_section(doc) + category_section(doc) + cost_section(doc) + summary_section(doc)
     return "\n".join(lines) + "\n"
 
 

@@ -94,9 +94,10 @@ def local_config(base_path: str | None, drafters: list[str], threads: int, out_d
 
 @contextlib.contextmanager
 def mesh_target(args, drafters: list[str]):
-    """Yields the gateway address: --target as given, else a local stack started for the run."""
+    """Yields (gateway address, a target worker's address or None): --target as given (its
+    workers unknown), else a local stack started for the run."""
     if args.target:
-        yield args.target
+        yield args.target, None
         return
     from specmesh.config import load_config
     from specmesh.launcher import Mesh, Scale
@@ -110,7 +111,7 @@ def mesh_target(args, drafters: list[str]):
         print(f"bench: starting a local mesh (logs in {log_dir})", file=sys.stderr)
         mesh.start(timeout_s=args.start_timeout)
         try:
-            yield cfg.gateway.listen
+            yield cfg.gateway.listen, cfg.coordinator.target_workers[0]
         finally:
             mesh.stop()
 
@@ -202,7 +203,7 @@ def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt],
     peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads) if any(m.is_peer for m in modes) else None
     drafters = sorted({parse_drafter(m.drafter)[0] for m in modes if m.drafter})
     results: dict = {}
-    with mesh_target(args, drafters) as target:
+    with mesh_target(args, drafters) as (target, worker):
         client = Client(target)
         try:
             with tqdm(total=sum(len(b) for _, _, b in steps), file=sys.stderr, unit="req",
@@ -214,9 +215,28 @@ def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt],
                     acc = results.setdefault((mode, level), Acc())
                     acc.records += records
                     acc.wall_s += wall
+            results["target_cost"] = target_cost(worker)
         finally:
             client.close()
     return results
+
+
+def target_cost(address: str | None) -> dict | None:
+    """The target worker's verify cost model (its Status RPC), or None when unknown/unreachable."""
+    if address is None:
+        return None
+    from coordinator.clients import GrpcTargetClient
+    from specmesh.errors import SpecmeshError
+
+    client = GrpcTargetClient(address)
+    try:
+        cost = client.status().verify_cost
+    except (SpecmeshError, OSError) as exc:
+        print(f"bench: no cost model from {address}: {exc}", file=sys.stderr)
+        return None
+    finally:
+        client.close()
+    return {"rows": list(cost.rows), "seconds": list(cost.seconds), "mean_batch": cost.mean_batch}
 
 
 def request_row(rec: RequestRecord) -> dict:
@@ -229,7 +249,10 @@ def request_row(rec: RequestRecord) -> dict:
 
 def runs_from_results(results: dict) -> list[dict]:
     runs = []
-    for (mode, level), acc in results.items():
+    for key, acc in results.items():
+        if key == "target_cost":
+            continue
+        mode, level = key
         run = {"mode": mode.mode, "drafter": mode.drafter, "concurrency": level.concurrency,
                "request_rate": level.request_rate, "batch_1_only": mode.is_peer}
         run.update(aggregate(acc.records, acc.wall_s))
@@ -268,7 +291,8 @@ def mesh_settings(cfg) -> dict:
     from specmesh.engine.loader import dtype_name, resolve_device, resolve_dtype
 
     return {"dtype": dtype_name(resolve_dtype(cfg.model.dtype, resolve_device(cfg.model.device))), "batch_invariant": cfg.target_worker.batch_invariant,
-            "default_method": cfg.speculative.method}
+            "default_method": cfg.speculative.method, "k_policy": cfg.speculative.k_policy,
+            "local_ngram": cfg.coordinator.local_ngram, "overlap_drafting": cfg.coordinator.overlap_drafting}
 
 
 def main(args) -> int:
@@ -299,11 +323,13 @@ def main(args) -> int:
         return 2
     warn_underfilled(levels, prompts)
     try:
-        runs = runs_from_results(execute(args, modes, levels, prompts, cfg))
+        results = execute(args, modes, levels, prompts, cfg)
+        runs = runs_from_results(results)
     except RuntimeError as exc:  # the local stack did not start
         print(f"specmesh bench: {exc}", file=sys.stderr)
         return 1
     result = summarize_runs(runs, args, len(prompts))
+    result["target_cost"] = results.get("target_cost")
     result["wall_s"] = round(time.monotonic() - started, 1)
     result["mesh_config"] = mesh_settings(cfg)
     report.write_all(result, args.out, plots=not args.no_plots)

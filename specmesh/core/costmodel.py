@@ -4,7 +4,9 @@ The engine packs every sequence's new positions into one forward (specmesh/engin
 forward's time follows its total row count T = sum over the batch of (k_b + 1), plus a small
 per-sequence part (attention). The model keeps the seconds of a forward at a few row counts
 (ROWS), seeded by a measurement at start-up and kept current from every batch the worker runs
-(an exponential moving average at the nearest bucket), and answers any row count by linear
+(an exponential moving average at the nearest bucket; buckets not observed since start-up follow
+each observation's relative move, so the curve keeps its shape when the whole machine slows
+down), and answers any row count by linear
 interpolation (beyond the last bucket: linear extrapolation from the last two).
 
 What the coordinator needs for the goodput rule is T(B, q), the time of a round of q positions
@@ -22,6 +24,10 @@ ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # buckets: a one-token step, chains of k=1..
 class VerifyCost:
     def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.1):
         self.alpha = alpha
+        # buckets observed since start-up; the others move with every observation by its relative
+        # move: a bucket known only from start-up (say 2 rows, while the mesh runs 1-row steps)
+        # would otherwise keep an idle machine's time and the curve bend (2 rows "cheaper" than 1)
+        self._seen: set[int] = set()
         self._lock = threading.Lock()
         self.table: dict[int, float] = dict(sorted((seconds or {}).items()))
         self.mean_batch = 1.0
@@ -35,6 +41,10 @@ class VerifyCost:
             if abs(bucket - rows) <= max(1, bucket // 4):  # close enough to stand for the bucket
                 old = self.table.get(bucket)
                 self.table[bucket] = seconds if old is None else old + self.alpha * (seconds - old)
+                self._seen.add(bucket)
+                if old:  # the machine got slower or faster: buckets known only from start-up follow
+                    drift = self.table[bucket] / old
+                    self.table = {r: s * drift if r not in self._seen else s for r, s in self.table.items()}
                 self.table = dict(sorted(self.table.items()))
             self.mean_batch += self.alpha * (batch - self.mean_batch)
 

@@ -10,6 +10,9 @@ in T(B, k + 1) seconds. Choose k in 0..k_max maximising E(k) / T(B, k + 1). k = 
 candidate, so speculation switches itself off where it cannot pay (a loaded target, text that
 does not copy its context, a drafter that does not fit it).
 
+A draft tree makes the same choice over its node budget (TreePolicy): all its nodes or none,
+from its measured tokens per round.
+
 KPolicy keeps a_j per request (an exponential moving average over rounds, seeded from the
 drafter's global rates), probes one position beyond the chosen k now and then so the estimate of
 longer drafts does not starve, and moves k only when the new choice beats the current one by a
@@ -24,6 +27,9 @@ from typing import Callable
 
 # a drafter's a_j before anything is measured: MT-Bench's n-gram rates, conditional (docs/bench)
 DEFAULT_SEED = (0.3, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8)
+# tokens a draft-tree round emits before anything is measured (the block drafter's 8-16 node trees
+# accept 1.6-1.8 per round on MT-Bench, docs/bench/drafters.md); a little below, so trees must earn it
+DEFAULT_TREE_SEED = 1.5
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -89,6 +95,43 @@ class KPolicy:
             self.rates[j] += self.alpha * (hit - self.rates[j])
 
 
+@dataclass
+class TreePolicy:
+    """Per request: a draft tree's node budget, all or nothing. The tree (budget nodes, verified as
+    budget + 1 positions) runs while its measured tokens per round over T(B, budget + 1) beat one
+    token over T(B, 1) (no draft), with the same margin (hysteresis) and probing as KPolicy: a tree
+    switched off still runs every probe_every-th round, so its estimate stays current."""
+
+    budget: int
+    seed: float = DEFAULT_TREE_SEED
+    alpha: float = 0.2
+    margin: float = 0.05
+    probe_every: int = 8
+    emitted: float = 0.0  # EMA of tokens emitted per tree round
+    on: bool | None = None
+    rounds: int = 0
+    history: dict[int, int] = field(default_factory=dict)  # budget used -> rounds
+
+    def __post_init__(self) -> None:
+        self.emitted = self.emitted or max(1.0, self.seed)
+
+    def choose(self, cost: Callable[[int], float]) -> int:
+        """This round's node budget: self.budget or 0."""
+        tree, plain = self.emitted / cost(self.budget + 1), 1.0 / cost(1)
+        if self.on is None:
+            self.on = tree > plain
+        elif self.on != (tree > plain) and max(tree, plain) > min(tree, plain) * (1 + self.margin):
+            self.on = not self.on
+        self.rounds += 1
+        probe = bool(self.probe_every) and self.rounds % self.probe_every == 0
+        used = self.budget if self.on or probe else 0
+        self.history[used] = self.history.get(used, 0) + 1
+        return used
+
+    def update(self, emitted: int) -> None:
+        self.emitted += self.alpha * (emitted - self.emitted)
+
+
 class RateBook:
     """Process-wide a_j per drafter: each request's KPolicy starts from its drafter's entry and
     folds its rounds back in, so new requests start from what the mesh has seen (thread-safe)."""
@@ -96,6 +139,7 @@ class RateBook:
     def __init__(self, alpha: float = 0.02):
         self.alpha = alpha
         self._rates: dict[str, list[float]] = {}
+        self._trees: dict[str, float] = {}  # tokens per draft-tree round, by drafter
         self._lock = threading.Lock()
 
     def seed(self, method: str, k_max: int) -> list[float]:
@@ -109,6 +153,16 @@ class RateBook:
             rates += [rates[-1]] * (drafted - len(rates))
             for j in range(min(drafted, accepted + 1)):
                 rates[j] += self.alpha * ((1.0 if j < accepted else 0.0) - rates[j])
+
+    def tree_seed(self, method: str) -> float:
+        """Tokens per tree round the mesh has seen for `method` (DEFAULT_TREE_SEED before any)."""
+        with self._lock:
+            return self._trees.get(method, DEFAULT_TREE_SEED)
+
+    def tree_update(self, method: str, emitted: int) -> None:
+        with self._lock:
+            old = self._trees.get(method, DEFAULT_TREE_SEED)
+            self._trees[method] = old + self.alpha * (emitted - old)
 
     def snapshot(self) -> dict[str, list[float]]:
         with self._lock:

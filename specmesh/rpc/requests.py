@@ -91,7 +91,7 @@ def decode_request(req, encoder: PromptEncoder, limits: Limits, spec: Speculativ
                                             f"exceeds the {encoder.context_window}-token context window")
     deadline = None if timeout_s is None else time.monotonic() + timeout_s
     kwargs = {"request_id": req.request_id} if req.request_id else {}
-    goodput = (spec.k_policy == "goodput" and method != "off" and tree_budget == 0
+    goodput = (spec.k_policy == "goodput" and method != "off"
                and not req.speculation.HasField("num_speculative_tokens"))  # an explicit k is fixed
     return GenerationRequest(prompt_ids, req.max_tokens, params, method, k, stop, deadline, tree_budget=tree_budget,
                              k_max=min(spec.goodput_k_max, spec.max_speculative_tokens) if goodput else 0, **kwargs)

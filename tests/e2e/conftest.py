@@ -76,8 +76,10 @@ def mesh_config(tmp: Path, **sections) -> tuple[Path, dict]:
         "runtime": {"torch_threads": 1, "log_level": "INFO"},  # 2 shared cores, 4 processes
         "speculative": {"method": "ngram", "num_speculative_tokens": 4},
         "gateway": {"listen": gw, "coordinator": co, "max_tokens_limit": 64},
+        # local_ngram false: n-gram stands in for a model drafter, so its rounds cross the draft tier
+        # (killed, scaled, traced below); test_mesh's default-config test runs it in the coordinator
         "coordinator": {"listen": co, "draft_workers": [dw], "target_workers": [tw],
-                        "draft_timeout_s": 10.0, "draft_retry_after_s": 1.0},
+                        "draft_timeout_s": 10.0, "draft_retry_after_s": 1.0, "local_ngram": False},
         "draft_worker": {"listen": dw, "methods": ["ngram"]},  # no second model to load
         "target_worker": {"listen": tw},
     }

@@ -47,7 +47,7 @@ def ray_mesh():
     gw, co = free_port(), free_port()
     config = {"model": {"dtype": "float32"}, "runtime": {"torch_threads": 1, "log_level": "WARNING"},
               "gateway": {"listen": f"127.0.0.1:{gw}", "coordinator": f"127.0.0.1:{co}"},
-              "coordinator": {"listen": f"127.0.0.1:{co}"},
+              "coordinator": {"listen": f"127.0.0.1:{co}", "local_ngram": False},  # n-gram over the draft tier
               "draft_worker": {"methods": ["ngram"]},
               "registry": {"heartbeat_interval_s": 0.5, "ttl_s": 3.0, "poll_interval_s": 0.3}}
     os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"  # Ray on loopback only (node IP 127.0.0.1)

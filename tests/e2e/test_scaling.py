@@ -59,7 +59,8 @@ class Up:
         self.config = {
             "model": {"dtype": "float32"}, "runtime": {"torch_threads": 1, "log_level": "INFO"},
             "gateway": {"listen": ports["gateway"], "coordinator": ports["coordinator"]},
-            "coordinator": {"listen": ports["coordinator"], "draft_retry_after_s": 1.0},
+            # local_ngram false: n-gram rounds cross the draft tier, whose scaling this tests
+            "coordinator": {"listen": ports["coordinator"], "draft_retry_after_s": 1.0, "local_ngram": False},
             "draft_worker": {"listen": ports["draft_worker"], "methods": ["ngram"]},
             "target_worker": {"listen": ports["target_worker"]}, "registry": REGISTRY}
         self.config_path = tmp / "mesh.yaml"

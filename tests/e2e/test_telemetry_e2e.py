@@ -82,8 +82,9 @@ def up(tmp_path_factory):
     config = {
         "runtime": {"torch_threads": 1},
         "gateway": {"listen": addr["gateway"], "coordinator": addr["coordinator"]},
+        # local_ngram false: n-gram rounds cross the draft tier, so a trace spans every service
         "coordinator": {"listen": addr["coordinator"], "draft_workers": [addr["draft_worker"]],
-                        "target_workers": [addr["target_worker"]]},
+                        "target_workers": [addr["target_worker"]], "local_ngram": False},
         "draft_worker": {"listen": addr["draft_worker"], "methods": ["ngram"]},
         "target_worker": {"listen": addr["target_worker"]},
         "metrics": {"coordinator_port": metrics_port},

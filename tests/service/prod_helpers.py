@@ -206,7 +206,7 @@ def start_mesh(target_model, encoder, overrides: dict | None = None, guard=None)
     cfg = make_config(_merge({
         "gateway": {"listen": addr["gateway"], "coordinator": addr["coordinator"]},
         "coordinator": {"listen": addr["coordinator"], "draft_workers": [addr["draft_worker"]],
-                        "target_workers": [addr["target_worker"]]},
+                        "target_workers": [addr["target_worker"]], "local_ngram": False},  # n-gram over the draft tier
         "draft_worker": {"listen": addr["draft_worker"]},
         "target_worker": {"listen": addr["target_worker"]},
     }, overrides or {}))

@@ -112,7 +112,7 @@ def mesh(target_model, prompt_encoder):
             "runtime": {"log_level": "WARNING"},
             "registry": {"url": redis_server.url, "heartbeat_interval_s": 0.2, "ttl_s": 1.5, "poll_interval_s": 0.1},
             "target_worker": {"drain_timeout_s": 30.0},
-            "coordinator": {"draft_retry_after_s": 1.0}})
+            "coordinator": {"draft_retry_after_s": 1.0, "local_ngram": False}})  # n-gram over the draft tier
         m = Mesh(cfg, target_model, prompt_encoder)
         try:
             yield m

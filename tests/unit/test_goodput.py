@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from specmesh.core.costmodel import VerifyCost
-from specmesh.core.goodput import KPolicy, best_k, expected_tokens
+from specmesh.core.goodput import KPolicy, RateBook, best_k, expected_tokens
 
 
 def test_expected_tokens_multiplies_conditional_rates():
@@ -91,3 +91,48 @@ def test_target_engine_measures_its_cost_model_at_start_and_returns_the_pool():
         assert engine.reserved_tokens() == 0  # the scratch sequence's range went back
     finally:
         engine.close()
+
+
+def test_cost_model_buckets_not_seen_lately_follow_the_machine():
+    """1-row steps observed under load (the machine slowed by half) drag the 2-row bucket, seen only
+    at start-up, along: 2 rows never look cheaper than 1."""
+    c = VerifyCost({1: 0.050, 2: 0.052, 5: 0.058})
+    for _ in range(40):
+        c.observe(1, 0.075)
+    assert c.estimate(1) == pytest.approx(0.075, rel=0.02)
+    assert c.estimate(2) > c.estimate(1) and c.estimate(5) > c.estimate(2)
+
+
+def test_tree_budget_all_or_none_by_goodput():
+    from specmesh.core.goodput import TreePolicy
+
+    cheap = lambda q: 1.0 + 0.02 * (q - 1)  # noqa: E731 - 9 positions cost 1.16 steps
+    costly = lambda q: 1.0 + 0.2 * (q - 1)  # noqa: E731 - 9 positions cost 2.6 steps
+    p = TreePolicy(budget=8, seed=1.7, probe_every=4)
+    assert p.choose(cheap) == 8  # 1.7 tokens / 1.16 beats 1 / 1
+    q = TreePolicy(budget=8, seed=1.7, probe_every=4)
+    used = [q.choose(costly) for _ in range(8)]
+    assert used.count(0) == 6 and used.count(8) == 2  # off, but every 4th round probes the tree
+    for _ in range(30):  # the tree stops paying even where verify is cheap: 1 token per round
+        p.update(1) if p.choose(cheap) else None
+    assert p.on is False and p.emitted < 1.1
+    assert sum(p.history.values()) == p.rounds
+
+
+def test_round_policy_for_a_tree_request():
+    from coordinator.roundpolicy import RoundPolicy
+    from specmesh.core.types import DraftProposal
+
+    book = RateBook(alpha=0.5)
+    cost = {"rows": [1, 9], "seconds": [1.0, 1.1], "mean_batch": 1.0}
+    rp = RoundPolicy(k_max=8, rate_book=book, tree_budget=8)
+    assert rp.k("block", 4, limit=50) == 4  # no cost model yet: fixed, the depth cap
+    rp.take_cost(cost)
+    assert rp.k("block", 4, limit=50) == 4 and rp.k("block", 4, limit=2) == 2  # the tree runs (depth capped)
+    tree = DraftProposal([1, 2, 3], None, [-1, 0, 0])
+    for _ in range(20):
+        rp.learn("block", tree, accepted=0)  # nothing accepted: 1 token per round
+    assert rp.k("block", 4, limit=50) == 0 and book.tree_seed("block") < 1.1
+    nxt = RoundPolicy(k_max=8, rate_book=book, tree_budget=8)  # the next request starts from the book
+    nxt.take_cost(cost)
+    assert nxt.k("block", 4, limit=50) == 0
