@@ -25,10 +25,10 @@ class RoundPolicy:
         policy = self._policy(method)
         if policy is None:
             return max(0, min(fixed_k, limit))
-        cost = self.cost
+        cost, others = self.cost, max(0.0, self.cost.mean_batch - 1)  # the forward's other sequences
         if isinstance(policy, TreePolicy):
-            return max(0, min(fixed_k, limit)) if policy.choose(lambda q: cost.round_cost(q)) else 0
-        return policy.choose(lambda q: cost.round_cost(q), limit=limit)
+            return max(0, min(fixed_k, limit)) if policy.choose(lambda q: cost.estimate(others + q), others) else 0
+        return policy.choose(lambda q: cost.estimate(others + q), limit=limit, others=others)
 
     def _policy(self, method: str) -> KPolicy | TreePolicy | None:
         """None: k is fixed (goodput off, the hot switch overrides k, or no cost model yet)."""

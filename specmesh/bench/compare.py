@@ -76,11 +76,11 @@ def _tokens_per_s_by_category(run: dict) -> dict[str, float]:
     """Per category: output tokens / summed request latency (at concurrency 1, requests run one at
     a time, so this is that category's tokens/s)."""
     sums: dict[str, list[float]] = {}
-    for rec in run.get("_records", []):
-        if rec.ok and rec.category and rec.latency:
-            acc = sums.setdefault(rec.category, [0.0, 0.0])
-            acc[0] += rec.output_len
-            acc[1] += rec.latency
+    for row in run.get("requests", []):  # suite.request_row
+        if row.get("error") is None and row.get("category") and row.get("e2e_ms"):
+            acc = sums.setdefault(row["category"], [0.0, 0.0])
+            acc[0] += row["output_tokens"]
+            acc[1] += row["e2e_ms"] / 1e3
     return {c: n / t for c, (n, t) in sums.items() if t > 0}
 
 

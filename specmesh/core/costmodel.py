@@ -9,8 +9,9 @@ each observation's relative move, so the curve keeps its shape when the whole ma
 down), and answers any row count by linear
 interpolation (beyond the last bucket: linear extrapolation from the last two).
 
-What the coordinator needs for the goodput rule is T(B, q), the time of a round of q positions
-for a sequence verified beside B-1 others: estimate(B * q) with B the worker's recent mean batch.
+What the coordinator needs for the goodput rule (core/goodput.py) is the time of the forward
+that verifies a request's q positions beside B - 1 other sequences' rows: estimate(B - 1 + q),
+with B the worker's recent mean batch (mean_batch).
 """
 
 from __future__ import annotations
@@ -62,11 +63,6 @@ class VerifyCost:
         i = min(bisect.bisect_left(xs, rows), len(xs) - 1)  # past the last bucket: extend its segment
         x0, y0, x1, y1 = xs[i - 1], ys[i - 1], xs[i], ys[i]
         return max(ys[0], y0 + (y1 - y0) * (rows - x0) / (x1 - x0))
-
-    def round_cost(self, positions: int, batch: float | None = None) -> float:
-        """T(B, q): seconds of a round of q positions beside B-1 other sequences' rounds."""
-        b = self.mean_batch if batch is None else batch
-        return self.estimate(max(1.0, b) * positions)
 
     def as_dict(self) -> dict:
         with self._lock:

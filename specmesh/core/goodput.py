@@ -6,9 +6,15 @@ for q positions at batch B, a round of k drafts emits on average
 
     E(k) = 1 + sum_{i=1..k} prod_{j<=i} a_j      tokens (the target's own token always comes)
 
-in T(B, k + 1) seconds. Choose k in 0..k_max maximising E(k) / T(B, k + 1). k = 0 is a
-candidate, so speculation switches itself off where it cannot pay (a loaded target, text that
-does not copy its context, a drafter that does not fit it).
+in the time of the forward that verifies its k + 1 positions. Alone (batch 1) choose k in
+0..k_max maximising E(k) / T(k + 1). In a batch the forward is shared: B - 1 other sequences
+emit about a token each in it and wait for it too, so the rule counts the whole forward,
+
+    (B - 1 + E(k)) / T(B - 1 + k + 1)     (T by packed rows, B the target's recent mean batch)
+
+which is E(k) / T(k + 1) at B = 1; at B = 16 a draft must pay for everyone's longer step. k = 0
+is a candidate, so speculation switches itself off where it cannot pay (a loaded target, text
+that does not copy its context, a drafter that does not fit it).
 
 A draft tree makes the same choice over its node budget (TreePolicy): all its nodes or none,
 from its measured tokens per round.
@@ -41,12 +47,14 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return total
 
 
-def best_k(rates: list[float], cost: Callable[[int], float], k_max: int) -> tuple[int, float]:
-    """(k, goodput) maximising expected_tokens(rates, k) / cost(k + 1) over k in 0..k_max;
-    ties go to the smaller k. cost(q): seconds of a verify of q positions (q >= 1)."""
-    best, best_rate = 0, expected_tokens(rates, 0) / cost(1)
+def best_k(rates: list[float], cost: Callable[[int], float], k_max: int, others: float = 0.0) -> tuple[int, float]:
+    """(k, goodput) maximising (others + expected_tokens(rates, k)) / cost(k + 1) over k in
+    0..k_max; ties go to the smaller k. cost(q): seconds of the forward that verifies this
+    request's q positions (q >= 1) beside the others' rows; others: tokens the other sequences of
+    that forward emit (0 alone)."""
+    best, best_rate = 0, (others + expected_tokens(rates, 0)) / cost(1)
     for k in range(1, k_max + 1):
-        rate = expected_tokens(rates, k) / cost(k + 1)
+        rate = (others + expected_tokens(rates, k)) / cost(k + 1)
         if rate > best_rate * (1 + 1e-9):
             best, best_rate = k, rate
     return best, best_rate
@@ -70,14 +78,14 @@ class KPolicy:
         self.rates = [min(1.0, max(0.0, x)) for x in self.seed[: self.k_max]]
         self.rates += [0.0] * (self.k_max - len(self.rates))
 
-    def choose(self, cost: Callable[[int], float], limit: int | None = None) -> int:
-        """This round's k (<= limit, e.g. the tokens left minus one)."""
+    def choose(self, cost: Callable[[int], float], limit: int | None = None, others: float = 0.0) -> int:
+        """This round's k (<= limit, e.g. the tokens left minus one); cost and others as best_k's."""
         cap = self.k_max if limit is None else max(0, min(self.k_max, limit))
-        new, new_rate = best_k(self.rates, cost, cap)
+        new, new_rate = best_k(self.rates, cost, cap, others)
         if self.k < 0 or self.k > cap:
             self.k = new
         elif new != self.k:
-            current = expected_tokens(self.rates, self.k) / cost(self.k + 1)
+            current = (others + expected_tokens(self.rates, self.k)) / cost(self.k + 1)
             if new_rate > current * (1 + self.margin):
                 self.k = new
         k = self.k
@@ -106,7 +114,7 @@ class TreePolicy:
     seed: float = DEFAULT_TREE_SEED
     alpha: float = 0.2
     margin: float = 0.05
-    probe_every: int = 8
+    probe_every: int = 16  # a tree probe costs budget rows: rarer than a chain's one extra position
     emitted: float = 0.0  # EMA of tokens emitted per tree round
     on: bool | None = None
     rounds: int = 0
@@ -115,9 +123,9 @@ class TreePolicy:
     def __post_init__(self) -> None:
         self.emitted = self.emitted or max(1.0, self.seed)
 
-    def choose(self, cost: Callable[[int], float]) -> int:
-        """This round's node budget: self.budget or 0."""
-        tree, plain = self.emitted / cost(self.budget + 1), 1.0 / cost(1)
+    def choose(self, cost: Callable[[int], float], others: float = 0.0) -> int:
+        """This round's node budget: self.budget or 0 (cost and others as best_k's)."""
+        tree, plain = (others + self.emitted) / cost(self.budget + 1), (others + 1.0) / cost(1)
         if self.on is None:
             self.on = tree > plain
         elif self.on != (tree > plain) and max(tree, plain) > min(tree, plain) * (1 + self.margin):

@@ -27,8 +27,11 @@ def test_loaded_target_turns_speculation_off():
     """The same acceptance pays at batch 1 and not at batch 16, where verify rows cost compute."""
     cost = VerifyCost({1: 0.040, 2: 0.042, 5: 0.050, 16: 0.100, 32: 0.180, 80: 0.440})
     rates = [0.6, 0.4, 0.3, 0.2]
-    assert best_k(rates, lambda q: cost.round_cost(q, batch=1), 4)[0] >= 2
-    assert best_k(rates, lambda q: cost.round_cost(q, batch=16), 4)[0] == 0
+    assert best_k(rates, cost.estimate, 4)[0] >= 2
+    # beside 15 others, one token each: a longer step delays all 16
+    assert best_k(rates, lambda q: cost.estimate(15 + q), 4, others=15)[0] == 0
+    # counted as if alone, the same draft would look worth it
+    assert best_k(rates, lambda q: cost.estimate(15 + q), 4)[0] >= 1
 
 
 def test_policy_learns_switches_off_and_probes_back():
