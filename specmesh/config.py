@@ -239,10 +239,14 @@ class TargetWorkerConfig:
     # float32 linears of a verify / decode step from packed weights (specmesh/engine/cpu_gemm.py):
     # auto: where it builds and runs (x86-64 AVX2+FMA, float32 on the CPU); false: torch's own
     cpu_kernel: bool | str = "auto"
+    # a verify batch waits up to this fraction of the last verify forward for the sequences between
+    # two rounds, so concurrent requests share one forward instead of trailing into the next; 0: off
+    batch_gather: float = 0.3
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
         _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
+        _check(0 <= self.batch_gather <= 2, f"{key}.batch_gather", "must be in [0, 2]")
         self.cache.validate(f"{key}.cache")
         _check(self.batch_invariant in (True, False, "auto"), f"{key}.batch_invariant", "must be true, false or auto")
         _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")

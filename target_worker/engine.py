@@ -79,7 +79,8 @@ def resolve_batch_invariant(model, setting: bool | str) -> bool:
 
 class TargetEngine:
     def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float,
-                 max_queue: int = 1024, batch_invariant: bool | str = False, cpu_kernel: bool | str = "auto"):
+                 max_queue: int = 1024, batch_invariant: bool | str = False, cpu_kernel: bool | str = "auto",
+                 batch_gather: float = 0.0):
         # cpu_kernel: float32 linears of a step from packed weights (specmesh/engine/cpu_gemm.py)
         # where it builds and runs; batch_invariant: verify with one-token kernels and prefill
         # unpacked, so the output is bitwise the target alone's whatever the batch (rowexact.py)
@@ -97,7 +98,11 @@ class TargetEngine:
         self.cost = VerifyCost()  # seconds per verify forward by packed rows (measure_cost, every batch)
         self._seqs: dict[str, Sequence] = {}
         self._lock = threading.Lock()
-        self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="target-batcher")
+        # batch_gather: a verify batch waits up to this fraction of the last verify forward for the
+        # sequences between two rounds (their callers are turning a result into the next round)
+        self.batch_gather, self._last_verify_s = batch_gather, 0.0
+        self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="target-batcher",
+                               gather=self._gather if batch_gather > 0 else None)
         self.last_batch_sizes: list[int] = []
 
     # ------------------------------------------------------------------ public API (any thread)
@@ -286,6 +291,17 @@ class TargetEngine:
             return seq
 
     # ------------------------------------------------------------------ model thread
+    def _gather(self, kind: str, n: int, recent_s: float = 1.0) -> tuple[int, float]:
+        """(verify jobs to wait for in all, longest wait): the n taken plus every sequence between
+        two rounds (prefilled, no job in flight, touched in the last recent_s)."""
+        if kind != "verify":
+            return n, 0.0
+        now = time.monotonic()
+        with self._lock:
+            coming = sum(1 for q in self._seqs.values()
+                         if not q.inflight and not q.released and q.pending is not None and now - q.last_used < recent_s)
+        return n + coming, self.batch_gather * self._last_verify_s
+
     def _run_batch(self, kind: str, jobs: list) -> list:
         try:
             return self._run_jobs(kind, jobs)
@@ -328,7 +344,8 @@ class TargetEngine:
         t0 = time.perf_counter()
         outs = batched_step(self.model, [j.seq.kv for j in jobs], inputs, new_masks=[m for m, _ in layouts],
                             depths=[d for _, d in layouts], hidden_layers=hidden, row_exact=self.batch_invariant)
-        self.cost.observe(sum(map(len, inputs)), time.perf_counter() - t0, batch=len(jobs))
+        self._last_verify_s = time.perf_counter() - t0
+        self.cost.observe(sum(map(len, inputs)), self._last_verify_s, batch=len(jobs))
         results = []
         for job, out in zip(jobs, outs):
             seq, draft = job.seq, job.draft

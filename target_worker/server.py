@@ -113,7 +113,7 @@ def main(argv=None) -> int:
     opts = service_options(cfg, "target_worker")
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
                           max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant,
-                          cpu_kernel=wcfg.cpu_kernel)
+                          cpu_kernel=wcfg.cpu_kernel, batch_gather=wcfg.batch_gather)
     param = next(model.parameters())
     log.info("target %s loaded: %s on %s, KV pool %d tokens (%.1f MB), CPU verify kernel %s (%.1f MB packed), "
              "batch_invariant %s -> %s%s", model_dir, dtype_name(param.dtype), param.device, engine.pool.max_tokens,

@@ -4,6 +4,11 @@ RPC threads submit jobs and block on a future. The model thread takes the first 
 then everything else already queued of the same kind (up to max_batch), and runs them as one
 batch. While a batch runs, new jobs queue up and form the next batch — so batch size follows
 load without any fixed wait.
+
+Optionally (`gather`) the model thread waits a little for jobs it knows are coming: a target
+worker's sequences between two rounds come back within a few ms of each other (each caller
+turns its result into the next request), and a batch started on the first of them leaves the
+rest for another whole forward. gather(kind, n) -> (jobs expected in all, longest wait in s).
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -30,8 +36,10 @@ class Job:
 class Batcher:
     """run_batch(kind, payloads) -> results (same order), or raises: the error goes to each job."""
 
-    def __init__(self, run_batch: Callable[[str, list], list], max_batch: int, max_queue: int = 1024, name: str = "batcher"):
+    def __init__(self, run_batch: Callable[[str, list], list], max_batch: int, max_queue: int = 1024, name: str = "batcher",
+                 gather: Callable[[str, int], tuple[int, float]] | None = None):
         self._run_batch = run_batch
+        self._gather = gather
         self._max_batch = max_batch
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._held: list[Job] = []  # jobs taken off the queue but of another kind than the batch
@@ -77,8 +85,24 @@ class Batcher:
             except queue.Empty:
                 break
             (batch if job.kind == first.kind else rest).append(job)
+        if self._gather is not None and not rest:
+            self._wait_for_more(first.kind, batch, rest)
         self._held = rest
         return batch
+
+    def _wait_for_more(self, kind: str, batch: list[Job], rest: list[Job]) -> None:
+        """Wait (bounded) for jobs of `kind` that gather says are coming; another kind ends it."""
+        want, wait_s = self._gather(kind, len(batch))
+        deadline = time.monotonic() + wait_s
+        while len(batch) < min(want, self._max_batch) and not rest:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                job = self._queue.get(timeout=left)
+            except queue.Empty:
+                return
+            (batch if job.kind == kind else rest).append(job)
 
     def _loop(self) -> None:
         while not self._stop.is_set():

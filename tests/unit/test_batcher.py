@@ -225,3 +225,51 @@ def test_close_stops_the_thread(make_batcher):
     b = make_batcher(Recorder(), max_batch=2)
     b.close()
     assert not b._thread.is_alive()
+
+
+def test_gather_waits_for_jobs_it_is_told_are_coming_and_no_longer(make_batcher):
+    """Three jobs said to be coming, arriving 50 ms apart: one batch of three (gathered), while a
+    job nobody is coming after runs at once, and a promise that is not kept costs at most the wait."""
+    rec = Recorder()
+    expected = {"n": 3}
+    b = make_batcher(rec, max_batch=8, gather=lambda kind, n: (expected["n"], 2.0 if kind == "verify" else 0.0))
+    futures = []
+    for i in range(3):
+        futures.append(b.submit("verify", i))
+        time.sleep(0.05)
+    assert [f.result(WAIT) for f in futures] == [("verify", i) for i in range(3)]
+    assert rec.batches == [("verify", [0, 1, 2])]
+    assert b.submit("prefill", "p").result(WAIT) == ("prefill", "p")  # no wait for another kind
+    expected["n"] = 5  # two more promised, never sent: the batch goes after the wait
+    t0 = time.monotonic()
+    assert b.submit("verify", 9).result(WAIT) == ("verify", 9)
+    assert 1.5 < time.monotonic() - t0 < WAIT
+
+
+def test_target_engine_gathers_the_sequences_between_rounds(target_model):
+    """Four sequences in lockstep, their rounds sent 10 ms apart: with batch_gather (waiting up to
+    2x a ~50 ms forward) every round of the four is one forward; without it the first goes alone."""
+    from target_worker.engine import TargetEngine
+    from specmesh.core.types import DraftProposal, SamplingParams
+
+    def rounds(gather: float) -> list[int]:
+        engine = TargetEngine(target_model, 8, 8, 4096, 60.0, batch_gather=gather)
+        try:
+            engine._last_verify_s = 0.5  # before any forward: long enough for the first round
+            params = SamplingParams(temperature=0.0)
+            for i in range(4):
+                engine.prefill(f"s{i}", [10 + i, 11, 12], params)
+            engine.last_batch_sizes.clear()
+            for _ in range(2):
+                with ThreadPoolExecutor(4) as pool:
+                    done = []
+                    for i in range(4):
+                        done.append(pool.submit(engine.verify, f"s{i}", DraftProposal([], None)))
+                        time.sleep(0.01)
+                    [f.result(WAIT) for f in done]
+            return list(engine.last_batch_sizes)
+        finally:
+            engine.close()
+
+    assert rounds(2.0) == [4, 4]
+    assert rounds(0.0)[0] == 1
