@@ -164,7 +164,7 @@ class Generation:
         finally:
             self.stats.verify_time_s += time.monotonic() - t0
         self.rounds.take_cost(outcome.cost)
-        self.rounds.learn(self.method, draft, outcome.accepted)
+        self.rounds.learn(self.method, draft, outcome.accepted, self.stats.draft_time_s - draft_s)
         depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
         self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens), positions=depth)
         if self.observer is not None:

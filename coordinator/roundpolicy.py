@@ -18,6 +18,7 @@ class RoundPolicy:
         self.control = control  # the admin hot switch: a k override fixes k
         self.policies: dict[str, KPolicy | TreePolicy] = {}
         self.cost: VerifyCost | None = None
+        self.draft_s: dict[str, float] = {}  # EMA of seconds a round waits for its draft, by drafter
 
     def k(self, method: str, fixed_k: int, limit: int) -> int:
         """This round's k for `method` (fixed_k when goodput does not apply), at most `limit`.
@@ -25,10 +26,15 @@ class RoundPolicy:
         policy = self._policy(method)
         if policy is None:
             return max(0, min(fixed_k, limit))
-        cost, others = self.cost, max(0.0, self.cost.mean_batch - 1)  # the forward's other sequences
+        others = max(0.0, self.cost.mean_batch - 1)  # the forward's other sequences
+        draft_s = self.draft_s.get(method, 0.0)  # a drafting round also waits for its draft
+
+        def seconds(q: int) -> float:
+            return self.cost.estimate(others + q) + (draft_s if q > 1 else 0.0)
+
         if isinstance(policy, TreePolicy):
-            return max(0, min(fixed_k, limit)) if policy.choose(lambda q: cost.estimate(others + q), others) else 0
-        return policy.choose(lambda q: cost.estimate(others + q), limit=limit, others=others)
+            return max(0, min(fixed_k, limit)) if policy.choose(seconds, others) else 0
+        return policy.choose(seconds, limit=limit, others=others)
 
     def _policy(self, method: str) -> KPolicy | TreePolicy | None:
         """None: k is fixed (goodput off, the hot switch overrides k, or no cost model yet)."""
@@ -45,11 +51,14 @@ class RoundPolicy:
         if cost is not None:
             self.cost = VerifyCost.from_dict(cost)
 
-    def learn(self, method: str, draft: DraftProposal, accepted: int) -> None:
+    def learn(self, method: str, draft: DraftProposal, accepted: int, draft_s: float = 0.0) -> None:
         """Fold a round's outcome into the request's and the book's acceptance: a chain's per
-        position, a tree's tokens per round (accepted + the target's own)."""
+        position, a tree's tokens per round (accepted + the target's own); and draft_s, the time
+        the round waited for its draft (a remote drafter's Propose; ~0 for local n-gram)."""
         if not draft.token_ids or method == "off":
             return
+        old = self.draft_s.get(method)
+        self.draft_s[method] = draft_s if old is None else old + 0.2 * (draft_s - old)
         policy = self.policies.get(method)
         if draft.parents is not None:
             if isinstance(policy, TreePolicy):

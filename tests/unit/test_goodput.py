@@ -139,3 +139,21 @@ def test_round_policy_for_a_tree_request():
     nxt = RoundPolicy(k_max=8, rate_book=book, tree_budget=8)  # the next request starts from the book
     nxt.take_cost(cost)
     assert nxt.k("block", 4, limit=50) == 0
+
+
+def test_a_slow_remote_draft_counts_in_the_round_time():
+    """The same tree pays when its draft is free and not when each one waits 0.5 step for the draft
+    tier: goodput counts the round the request actually waits for."""
+    from coordinator.roundpolicy import RoundPolicy
+    from specmesh.core.types import DraftProposal
+
+    cost = {"rows": [1, 9], "seconds": [1.0, 1.1], "mean_batch": 1.0}
+    tree = DraftProposal([1, 2, 3], None, [-1, 0, 0])
+    for wait, expect in ((0.0, 4), (0.5, 0)):
+        rp = RoundPolicy(k_max=8, rate_book=RateBook(), tree_budget=8)
+        rp.take_cost(cost)
+        for _ in range(20):
+            rp.learn("block", tree, accepted=0, draft_s=wait)  # 1.5 -> ~1.3 tokens per tree round
+            rp.learn("block", tree, accepted=1, draft_s=wait)
+        rp.policies.clear()  # a fresh decision from what was learnt (the book's rate, this draft time)
+        assert rp.k("block", 4, limit=50) == expect, wait
