@@ -22,7 +22,7 @@ from its measured tokens per round.
 KPolicy keeps a_j per request (an exponential moving average over rounds, seeded from the
 drafter's global rates), probes one position beyond the chosen k now and then so the estimate of
 longer drafts does not starve, and moves k only when the new choice beats the current one by a
-margin (hysteresis), so k does not flap on noise.
+margin (hysteresis: a share of one token per k = 0 round), so k does not flap on noise.
 """
 
 from __future__ import annotations
@@ -67,7 +67,9 @@ class KPolicy:
     k_max: int
     seed: list[float]
     alpha: float = 0.2  # EMA weight of the newest round
-    margin: float = 0.05  # a new k must beat the current one's goodput by this fraction
+    # a new k must beat the current one's goodput by this share of one token per k = 0 round: an
+    # absolute margin, since beside B - 1 others every k's goodput is within a few % of the rest
+    margin: float = 0.05
     probe_every: int = 8  # every n-th round drafts one position more than chosen (if k_max allows)
     rates: list[float] = field(default_factory=list)
     k: int = -1  # the k in force (-1: none chosen yet)
@@ -86,7 +88,7 @@ class KPolicy:
             self.k = new
         elif new != self.k:
             current = (others + expected_tokens(self.rates, self.k)) / cost(self.k + 1)
-            if new_rate > current * (1 + self.margin):
+            if new_rate - current > self.margin / cost(1):  # margin: a share of one token's worth
                 self.k = new
         k = self.k
         self.rounds += 1
@@ -128,7 +130,7 @@ class TreePolicy:
         tree, plain = (others + self.emitted) / cost(self.budget + 1), (others + 1.0) / cost(1)
         if self.on is None:
             self.on = tree > plain
-        elif self.on != (tree > plain) and max(tree, plain) > min(tree, plain) * (1 + self.margin):
+        elif self.on != (tree > plain) and abs(tree - plain) > self.margin / cost(1):
             self.on = not self.on
         self.rounds += 1
         probe = bool(self.probe_every) and self.rounds % self.probe_every == 0

@@ -157,3 +157,14 @@ def test_a_slow_remote_draft_counts_in_the_round_time():
             rp.learn("block", tree, accepted=1, draft_s=wait)
         rp.policies.clear()  # a fresh decision from what was learnt (the book's rate, this draft time)
         assert rp.k("block", 4, limit=50) == expect, wait
+
+
+def test_k_follows_the_load_although_batch_goodputs_are_close():
+    """Beside 15 others every k's goodput is within a few % of the rest (their 15 tokens dominate);
+    the hysteresis margin is a share of one token, so k still drops to 0 when the load comes."""
+    t = lambda rows: 1.0 + 0.05 * (rows - 1)  # noqa: E731 - each row costs 5% of a step
+    p = KPolicy(k_max=4, seed=[0.3, 0.3, 0.3, 0.3], probe_every=0)
+    assert p.choose(t) == 2  # alone: 1.39 tokens for 1.1 steps
+    # loaded: k = 0 gives 16 / 1.75 = 9.14, k = 2 gives 16.39 / 1.85 = 8.86 (a relative 5% margin
+    # would have kept k = 2)
+    assert p.choose(lambda q: t(15 + q), others=15) == 0
