@@ -133,7 +133,7 @@ def main(args) -> int:
     model_dir = resolve_model_dir(cfg.model.name, cfg.model.path)
     tok = load_tokenizer(model_dir)
     weights_mb = _weights_mb(cfg, model_dir)
-    with mesh_target(args, ["ngram"]) as target:
+    with mesh_target(args, ["ngram"]) as (target, _):
         client = Client(target)
         pid = _target_pid(args)
         doc = {"command": command_line(), "machine": machine_info(), "model": str(model_dir)}

@@ -47,3 +47,14 @@ def test_check_plan_knows_drafters_by_their_method():
     assert check_plan(modes, levels) is None
     modes, levels = plan(bench_args("--drafters", "eagle:tree=4"))
     assert "unknown drafter(s) eagle:tree=4" in check_plan(modes, levels)
+
+
+def test_mesh_target_yields_the_gateway_and_a_target_worker_or_none():
+    """Both callers (the suite and --context) unpack (gateway, worker); with --target the
+    workers are unknown."""
+    from types import SimpleNamespace
+
+    from specmesh.bench.suite import mesh_target
+
+    with mesh_target(SimpleNamespace(target="127.0.0.1:1"), ["ngram"]) as (gateway, worker):
+        assert gateway == "127.0.0.1:1" and worker is None
