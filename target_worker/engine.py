@@ -148,6 +148,7 @@ class TargetEngine:
         `context` tokens, the rows as one chain) on the model thread's kernels; returns the table."""
         kv = self.pool.allocate(context + max(COST_ROWS) + 1)
         ids = [i % self.vocab_size for i in range(1, context + max(COST_ROWS) + 1)]  # any valid tokens
+        measured = {}
         try:
             batched_step(self.model, [kv], [ids[:context]], logits_rows=[[context - 1]])
             kv.commit(context)
@@ -157,9 +158,10 @@ class TargetEngine:
                     t0 = time.perf_counter()
                     batched_step(self.model, [kv], [ids[:rows]], row_exact=self.batch_invariant)
                     times.append(time.perf_counter() - t0)
-                self.cost.table[rows] = min(times[1:])
+                measured[rows] = min(times[1:])
         finally:
             kv.release()
+        self.cost.seed(measured)
         return self.cost.as_dict()
 
     def release(self, seq_id: str) -> bool:

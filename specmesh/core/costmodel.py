@@ -49,10 +49,15 @@ class VerifyCost:
                 self.table = dict(sorted(self.table.items()))
             self.mean_batch += self.alpha * (batch - self.mean_batch)
 
+    def seed(self, seconds: dict[int, float]) -> None:
+        """Start-up measurements (not observations: they follow the machine's drift later)."""
+        with self._lock:
+            self.table = dict(sorted({**self.table, **seconds}.items()))
+
     def estimate(self, rows: float) -> float:
         """Seconds of a forward of `rows` rows (interpolated; 1.0 per row when nothing is known)."""
         with self._lock:
-            pts = sorted(self.table.items())
+            pts = list(self.table.items())  # kept sorted by rows
         if not pts:
             return float(rows)
         xs, ys = [x for x, _ in pts], [y for _, y in pts]
