@@ -192,8 +192,8 @@ class Executor:
                     self.client.run_closed([(0, prompt)], 1, opts)
 
 
-def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt], cfg) -> dict:
-    """Runs the whole schedule; returns {(mode, level): Acc}."""
+def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt], cfg) -> tuple[dict, dict | None]:
+    """Runs the whole schedule; returns ({(mode, level): Acc}, the target's cost model or None)."""
     from tqdm import tqdm
 
     from specmesh.bench.peers import HFPeer
@@ -203,6 +203,7 @@ def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt],
     peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads) if any(m.is_peer for m in modes) else None
     drafters = sorted({parse_drafter(m.drafter)[0] for m in modes if m.drafter})
     results: dict = {}
+    cost = None
     with mesh_target(args, drafters) as (target, worker):
         client = Client(target)
         try:
@@ -215,10 +216,10 @@ def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt],
                     acc = results.setdefault((mode, level), Acc())
                     acc.records += records
                     acc.wall_s += wall
-            results["target_cost"] = target_cost(worker)
+            cost = target_cost(worker)
         finally:
             client.close()
-    return results
+    return results, cost
 
 
 def target_cost(address: str | None) -> dict | None:
@@ -227,6 +228,7 @@ def target_cost(address: str | None) -> dict | None:
         return None
     from coordinator.clients import GrpcTargetClient
     from specmesh.errors import SpecmeshError
+    from specmesh.rpc.convert import cost_from_pb
 
     client = GrpcTargetClient(address)
     try:
@@ -236,7 +238,7 @@ def target_cost(address: str | None) -> dict | None:
         return None
     finally:
         client.close()
-    return {"rows": list(cost.rows), "seconds": list(cost.seconds), "mean_batch": cost.mean_batch}
+    return cost_from_pb(cost)
 
 
 def request_row(rec: RequestRecord) -> dict:
@@ -249,10 +251,7 @@ def request_row(rec: RequestRecord) -> dict:
 
 def runs_from_results(results: dict) -> list[dict]:
     runs = []
-    for key, acc in results.items():
-        if key == "target_cost":
-            continue
-        mode, level = key
+    for (mode, level), acc in results.items():
         run = {"mode": mode.mode, "drafter": mode.drafter, "concurrency": level.concurrency,
                "request_rate": level.request_rate, "batch_1_only": mode.is_peer}
         run.update(aggregate(acc.records, acc.wall_s))
@@ -323,13 +322,13 @@ def main(args) -> int:
         return 2
     warn_underfilled(levels, prompts)
     try:
-        results = execute(args, modes, levels, prompts, cfg)
+        results, cost = execute(args, modes, levels, prompts, cfg)
         runs = runs_from_results(results)
     except RuntimeError as exc:  # the local stack did not start
         print(f"specmesh bench: {exc}", file=sys.stderr)
         return 1
     result = summarize_runs(runs, args, len(prompts))
-    result["target_cost"] = results.get("target_cost")
+    result["target_cost"] = cost
     result["wall_s"] = round(time.monotonic() - started, 1)
     result["mesh_config"] = mesh_settings(cfg)
     report.write_all(result, args.out, plots=not args.no_plots)
