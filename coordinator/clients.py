@@ -26,7 +26,7 @@ from typing import Any
 import grpc
 
 from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
-from specmesh.errors import Unavailable
+from specmesh.errors import Cancelled, Unavailable
 from specmesh.rpc.convert import (cost_from_pb, feature_request_to_pb, features_from_pb, features_to_pb,
                                   probs_to_bytes, proposal_from_pb, sampling_to_pb)
 from specmesh.rpc.errors import raise_from_rpc
@@ -229,8 +229,9 @@ class GrpcDraftPool:
         return best
 
     def propose(self, seq_id: str, context: list[int], k: int, method: str, params: SamplingParams,
-                round_: int, timeout: float, features=None, tree_budget: int = 0) -> DraftProposal:
-        """features: (rows [r, F], complete) for the block drafter (ProposeRequest.features)."""
+                round_: int, timeout: float, features=None, tree_budget: int = 0, calls=None) -> DraftProposal:
+        """features: (rows [r, F], complete) for the block drafter (ProposeRequest.features).
+        calls: a list the in-flight call is appended to, for a caller that may cancel it."""
         member = self._pick(seq_id, method)
         req = pb.ProposeRequest(seq_id=seq_id, context=context, num_tokens=k, method=method,
                                 sampling=sampling_to_pb(params), round=round_, tree_budget=tree_budget)
@@ -238,8 +239,15 @@ class GrpcDraftPool:
             req.features.CopyFrom(features_to_pb(features[0]))
             req.features_complete = features[1]
         try:
-            resp = member.client.stub.Propose(req, timeout=timeout)
+            call = member.client.stub.Propose.future(req, timeout=timeout)
+            if calls is not None:
+                calls.append(call)
+            resp = call.result()
+        except grpc.FutureCancelledError:
+            raise Cancelled("pre-draft cancelled") from None
         except grpc.RpcError as err:
+            if err.code() == grpc.StatusCode.CANCELLED and call.cancelled():
+                raise Cancelled("pre-draft cancelled") from None
             if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
                 self.members.mark_down(member, self.retry_after_s)
             raise_from_rpc(err, f"draft worker {member.address}")

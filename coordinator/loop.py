@@ -53,7 +53,7 @@ class TargetClient(Protocol):
 
 class DraftPool(Protocol):
     def propose(self, seq_id: str, context: list[int], k: int, method: str, params: SamplingParams,
-                round_: int, timeout: float) -> DraftProposal: ...
+                round_: int, timeout: float, calls: list | None = None) -> DraftProposal: ...
     def release(self, seq_id: str) -> None: ...
 
 
@@ -79,8 +79,8 @@ class Generation:
         # overlap: an Executor to draft round r+1 on while round r verifies (predraft.py); None: off
         self._guess: int | None = None
         self.predraft = None if overlap is None or drafts is None else Predrafter(
-            lambda ctx, n, r: self.drafts.propose(self.seq_id, ctx, n, self.method, self.req.params, r,
-                                                  self.draft_timeout_s), overlap)
+            lambda ctx, n, r, calls: self.drafts.propose(self.seq_id, ctx, n, self.method, self.req.params, r,
+                                                         self.draft_timeout_s, calls=calls), overlap)
         # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model (a tree: its
         # node budget or none)
         self.rounds = RoundPolicy(req.k_max, rate_book, control, tree_budget=req.tree_budget)
@@ -139,7 +139,10 @@ class Generation:
     def _k_this_round(self) -> int:
         # a round emits up to k+1 tokens: never draft past max_tokens
         self.method, self.k = self._settings()
-        k = self.rounds.k(self.method, self.k, self.req.max_tokens - len(self.out.token_ids) - 1)
+        ready = 0
+        if self.predraft is not None and self.method not in self.local:
+            ready = self.predraft.ready(self.req.prompt_ids + self.out.token_ids)
+        k = self.rounds.k(self.method, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready)
         self.stats.chosen_k[k] = self.stats.chosen_k.get(k, 0) + 1
         return k
 
@@ -210,10 +213,16 @@ class Generation:
         return DraftProposal(toks[:k], None if draft.probs is None else draft.probs[:k])
 
     def _overlap(self, context: list[int], draft: DraftProposal) -> None:
-        """Before round r's Verify: start drafting round r+1 on the guess that r is accepted in full."""
+        """Before round r's Verify: start drafting round r+1 on the guess that r is accepted in full
+        (and, when round r drafted one token more, that the target's own token is that one)."""
         guess, self._guess = self._guess, None
-        if self.predraft is not None and guess is not None and draft.parents is None and draft.token_ids:
-            self.predraft.start(context, draft, guess, len(draft.token_ids), self.stats.rounds + 1)
+        if self.predraft is None or self.method in self.local or self.method == "off" or draft.parents is not None:
+            return
+        base = context + list(draft.token_ids) + ([guess] if guess is not None else [])
+        # one token more than this round drafted (the next round's k may grow by one); the first
+        # of them is the guess of the target's own token when round r did not draft it
+        n = len(draft.token_ids) + 1 if guess is not None else len(draft.token_ids) + 2
+        self.predraft.start(base, n, self.stats.rounds + 1)
 
     def _propose_with_features(self, context: list[int], k: int, timeout: float) -> DraftProposal:
         """Propose with the rows the draft tier lacks; on a miss, once more with the whole window."""

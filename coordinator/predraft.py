@@ -1,14 +1,19 @@
 """Drafting overlapped with verification (coordinator.overlap_drafting): while the target verifies
 round r, the draft tier already drafts round r+1. No grpc here; the loop passes a propose callable.
 
-The guess: round r is accepted in full, and the target's own next token (the bonus) is the one the
-drafter itself drafts after d_k. So round r asks the drafter for k+1 tokens, verifies the first k,
-and, before its Verify, sends Propose(context + d_1..d_k + d_{k+1}) for round r+1. When round r's
-outcome is exactly d_1..d_k + [d_{k+1}], the context the pre-draft was drafted from is the real
-context, so it is a draft like any other (lossless at any temperature: its tokens and, at T>0,
-its probabilities were computed from exactly that context); round r+1 uses it at once, or waits
-for the rest of it. Any other outcome is a miss: the pre-draft is dropped and round r+1 drafts
-just in time, as without overlap (vLLM RFC #42109's speculation cache; PEARL's post-verify).
+A pre-draft is n tokens t_1..t_n drafted after a base context G, the guess of where round r+1
+starts: round r's context + its drafts d_1..d_k (+ the drafter's own next token, when round r's
+Propose drafted one more than it verified). When round r ends, the real context C either extends
+G by tokens that t_1..t_m spell out (the target accepted every draft and its own token is the one
+the drafter predicted; with k = 0 that is the whole test) or it does not. A hit hands the rest,
+t_{m+1}..t_n, to round r+1 as its draft: they and, at T>0, their probabilities were computed from
+exactly C, so they are a draft like any other (lossless at any temperature). Anything else is a
+miss: the pre-draft is dropped and round r+1 drafts just in time, as without overlap (vLLM RFC
+#42109's speculation cache; PEARL's post-verify).
+
+Rounds that draft nothing pre-draft too (G = the context, n = 1 + k): the draft tier keeps up with
+the sequence on its own cores, and once the target's token matches the drafter's, the next round
+has a draft at no wait, so a drafter that fits the text is measured and used again.
 """
 
 from __future__ import annotations
@@ -21,40 +26,70 @@ from specmesh.core.types import DraftProposal
 
 
 class Predrafter:
-    def __init__(self, propose: Callable[[list[int], int, int], DraftProposal], executor: Executor):
-        self._propose = propose  # (context, k, round) -> DraftProposal, may raise
+    def __init__(self, propose: Callable[[list[int], int, int, list], DraftProposal], executor: Executor):
+        # (context, n, round, calls) -> DraftProposal, may raise; it appends its in-flight RPC to
+        # calls, which a miss cancels, so a stale pre-draft stops drafting and frees the draft tier
+        self._propose = propose
         self._executor = executor
-        self._pending: tuple[list[int], int, Future] | None = None  # (guessed context, k, future)
+        self._pending: tuple[list[int], Future, list] | None = None  # (base G, future of t_1..t_n, calls)
         self.hits = self.misses = 0
         self.wait_s = 0.0  # time rounds spent waiting for a pre-draft that was a hit
 
-    def start(self, context: list[int], draft: DraftProposal, guess: int, k: int, round_: int) -> None:
-        """Round r drafted `draft` (its chain) and the bonus guess; draft round r+1 (k+1 tokens)."""
-        guessed = context + list(draft.token_ids) + [guess]
-        self._pending = (guessed, k, self._executor.submit(self._propose, guessed, k + 1, round_))
+    def start(self, base: list[int], n: int, round_: int) -> None:
+        """Draft n tokens after `base` for round `round_` (replaces any pre-draft still pending)."""
+        self.drop()
+        base, calls = list(base), []
+        self._pending = (base, self._executor.submit(self._propose, base, n, round_, calls), calls)
+
+    def ready(self, context: list[int]) -> int:
+        """Draft tokens a finished pre-draft holds past `context` now (0: none, in flight, or a miss);
+        drafted while the target worked, they cost the next round no wait."""
+        if self._pending is None or not self._pending[1].done():
+            return 0
+        base, future, _ = self._pending
+        m = len(context) - len(base)
+        if m < 0 or context[: len(base)] != base or future.exception() is not None:
+            return 0
+        toks = list(future.result().token_ids)
+        return len(toks) - m if len(toks) > m and toks[:m] == context[len(base):] else 0
 
     def take(self, context: list[int], timeout: float) -> DraftProposal | None:
-        """The pre-draft for this context (waiting for it if still in flight), or None on a miss
-        (no pre-draft, another context, or it failed: the caller drafts now)."""
+        """The pre-draft's tokens past `context` (waiting for it if still in flight), or None on a
+        miss (none, a context that does not extend its base by its own tokens, too few tokens
+        left, or it failed: the caller drafts now)."""
         if self._pending is None:
             return None
-        guessed, _, future = self._pending
-        self._pending = None
-        if guessed != context:
-            self.misses += 1
-            future.cancel()
-            return None
+        pending, self._pending = self._pending, None
+        base, future, _ = pending
+        m = len(context) - len(base)
+        if m < 0 or context[: len(base)] != base:
+            return self._miss(pending)
         t0 = time.monotonic()
         try:
             draft = future.result(timeout=timeout)
         except Exception:  # noqa: BLE001 - a failed pre-draft is a miss; the round drafts now
-            self.misses += 1
-            return None
+            return self._miss(pending)
+        toks = list(draft.token_ids)
+        if len(toks) <= m or toks[:m] != context[len(base):]:
+            return self._miss(pending)
         self.hits += 1
         self.wait_s += time.monotonic() - t0
-        return draft
+        return DraftProposal(toks[m:], None if draft.probs is None else draft.probs[m:])
+
+    def _miss(self, pending: tuple) -> None:
+        self.misses += 1
+        _cancel(pending)
+        return None
 
     def drop(self) -> None:
         if self._pending is not None:
-            self._pending[2].cancel()
+            _cancel(self._pending)
             self._pending = None
+
+
+def _cancel(pending: tuple) -> None:
+    """Stop a pre-draft: not started yet, it never runs; in flight, its RPC is cancelled."""
+    _, future, calls = pending
+    future.cancel()
+    for call in list(calls):
+        call.cancel()

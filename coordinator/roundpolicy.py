@@ -5,6 +5,7 @@ chosen the same way: all its nodes or none (TreePolicy). No grpc here."""
 
 from __future__ import annotations
 
+from specmesh.config import AUTOREGRESSIVE_DRAFTERS
 from specmesh.core.costmodel import VerifyCost
 from specmesh.core.goodput import KPolicy, RateBook, TreePolicy
 from specmesh.core.types import DraftProposal
@@ -18,19 +19,24 @@ class RoundPolicy:
         self.control = control  # the admin hot switch: a k override fixes k
         self.policies: dict[str, KPolicy | TreePolicy] = {}
         self.cost: VerifyCost | None = None
-        self.draft_s: dict[str, float] = {}  # EMA of seconds a round waits for its draft, by drafter
+        # EMA of seconds a round waits for its draft, by drafter: per drafted token for drafters that
+        # draft one token per forward (AUTOREGRESSIVE_DRAFTERS), per round for the others
+        self.draft_s: dict[str, float] = {}
 
-    def k(self, method: str, fixed_k: int, limit: int) -> int:
+    def k(self, method: str, fixed_k: int, limit: int, ready: int = 0) -> int:
         """This round's k for `method` (fixed_k when goodput does not apply), at most `limit`.
-        For a tree: fixed_k (its depth cap) when the tree runs this round, 0 when it does not."""
+        For a tree: fixed_k (its depth cap) when the tree runs this round, 0 when it does not.
+        ready: draft tokens already drafted for this round (a pre-draft hit): they cost no wait."""
         policy = self._policy(method)
         if policy is None:
             return max(0, min(fixed_k, limit))
         others = max(0.0, self.cost.mean_batch - 1)  # the forward's other sequences
         draft_s = self.draft_s.get(method, 0.0)  # a drafting round also waits for its draft
+        per_token = method in AUTOREGRESSIVE_DRAFTERS
 
         def seconds(q: int) -> float:
-            return self.cost.estimate(others + q) + (draft_s if q > 1 else 0.0)
+            wait = 0.0 if q - 1 <= ready else draft_s * (q - 1 - ready) if per_token else draft_s
+            return self.cost.estimate(others + q) + wait
 
         if isinstance(policy, TreePolicy):
             return max(0, min(fixed_k, limit)) if policy.choose(seconds, others) else 0
@@ -57,6 +63,8 @@ class RoundPolicy:
         the round waited for its draft (a remote drafter's Propose; ~0 for local n-gram)."""
         if not draft.token_ids or method == "off":
             return
+        if method in AUTOREGRESSIVE_DRAFTERS:
+            draft_s /= len(draft.token_ids)
         old = self.draft_s.get(method)
         self.draft_s[method] = draft_s if old is None else old + 0.2 * (draft_s - old)
         policy = self.policies.get(method)

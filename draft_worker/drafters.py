@@ -17,6 +17,7 @@ import hashlib
 import threading
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 
@@ -42,6 +43,7 @@ class ProposeJob:
     features: torch.Tensor | None = None
     features_complete: bool = False  # the sender's whole window: replace, do not append
     tree_budget: int = 0  # > 0: a draft tree of at most this many nodes (block drafter)
+    alive: Callable[[], bool] = lambda: True  # False once the caller cancelled: stop drafting for it
 
 
 class NgramDrafter:
@@ -167,7 +169,9 @@ class ModelDrafter(_BatchedDrafter):
                 drafts[b].append(token)
                 probs[b].append(q[0])
                 inputs[b] = [token]
-            active = [b for b in active if len(drafts[b]) < jobs[b].k]
+            # a cancelled call (a pre-draft the coordinator found stale) stops here: its cache
+            # keeps what was forwarded, and the draft tier is free for the round that replaces it
+            active = [b for b in active if len(drafts[b]) < jobs[b].k and jobs[b].alive()]
         results = []
         for b, job in enumerate(jobs):
             self._cache.put(job.seq_id, entries[b])

@@ -10,6 +10,7 @@ import threading
 from draft_worker.block_loader import load_block_model
 from draft_worker.drafters import BlockDrafter, ModelDrafter, NgramDrafter, ProposeJob
 from specmesh.config import ConfigError, MeshConfig
+from specmesh.engine import cpu_gemm
 from specmesh.engine.loader import load_configured_model
 from specmesh.errors import InvalidArgument, ModelIntegrityError
 from specmesh.config import MAX_TREE_BUDGET
@@ -60,7 +61,8 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
             raise InvalidArgument("tree_budget", f"must be in [0, {MAX_TREE_BUDGET}]")
         job = ProposeJob(request.seq_id, list(request.context), request.num_tokens,
                          sampling_from_pb(request.sampling), request.round,
-                         features_from_pb(request.features), request.features_complete, request.tree_budget)
+                         features_from_pb(request.features), request.features_complete, request.tree_budget,
+                         alive=context.is_active)
         draft = drafter.propose(job, timeout=context.time_remaining())
         set_attributes({"specmesh.drafter": request.method, "specmesh.seq_id": request.seq_id,
                         "specmesh.num_speculative_tokens": request.num_tokens,
@@ -88,6 +90,8 @@ def build_drafters(cfg: MeshConfig) -> dict:
         else:  # no draft model configured: the target model drafts for itself
             _, model = load_configured_model(cfg.model.name, cfg.model.path, dm.dtype, cfg.model.require_manifest,
                                              cfg.model.device)
+        if dm.cpu_kernel and cpu_gemm.install(model):  # draft steps of 1 to k+1 rows from packed weights
+            log.info("draft_model: CPU kernel on (%.0f MB packed)", cpu_gemm.packed_bytes(model) / 1e6)
         bp = cfg.backpressure.draft_worker
         drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences,
                                                max_queue=bp.max_inflight + bp.max_queue)

@@ -24,8 +24,8 @@ DEFAULT_TARGET = "127.0.0.1:50051"
 def _cmd_fetch_model(args) -> int:
     from specmesh.engine.fetch import fetch_model
 
-    path = fetch_model(args.name, home=args.home, progress=True, force=args.force)
-    print(path)
+    for name in args.names or [args.name]:
+        print(fetch_model(name, home=args.home, progress=True, force=args.force))
     return 0
 
 
@@ -189,7 +189,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=60.0)
     add_client_arguments(p)
     p.set_defaults(fn=_cmd_health)
-    p = sub.add_parser("fetch-model", help="download, verify and convert the default model")
+    p = sub.add_parser("fetch-model", help="download, verify and convert pinned models (specmesh/manifests)")
+    p.add_argument("names", nargs="*", metavar="NAME", help="models to fetch (default: --name)")
     p.add_argument("--name", default="smollm2-135m-instruct")
     p.add_argument("--home", help="cache root (default $SPECMESH_HOME or ~/.cache/specmesh)")
     p.add_argument("--force", action="store_true")

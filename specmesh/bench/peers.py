@@ -3,6 +3,9 @@
     hf_generate        Hugging Face transformers `generate` (plain autoregressive decoding)
     hf_prompt_lookup   HF assisted generation with prompt lookup (`prompt_lookup_num_tokens`,
                        an n-gram drafter; max_matching_ngram_size = the mesh's ngram max_n)
+    hf_assisted        HF assisted generation with the configured draft model in the same process
+                       (`assistant_model=`, HF's own draft-length schedule); only when
+                       draft_worker.draft_model names a model of its own
 
 Prompts are tokenized exactly as the gateway does (specmesh.tokenization.PromptEncoder), the
 model is loaded by specmesh.engine.loader as a worker does (same dtype, SDPA), and EOS ids are
@@ -19,7 +22,13 @@ import torch
 from specmesh.bench.datasets import Prompt
 from specmesh.bench.metrics import RequestRecord
 
-PEER_MODES = ("hf_generate", "hf_prompt_lookup")
+PEER_MODES = ("hf_generate", "hf_prompt_lookup", "hf_assisted")
+
+
+def peer_modes(cfg) -> tuple[str, ...]:
+    """The peers this config can run: hf_assisted needs a draft model of its own."""
+    dm = cfg.draft_worker.draft_model
+    return PEER_MODES if (dm.name or dm.path) else PEER_MODES[:2]
 
 
 class _TimingStreamer:
@@ -49,7 +58,7 @@ class _TimingStreamer:
 class HFPeer:
     """The configured model loaded in this process, driven by HF `generate`."""
 
-    def __init__(self, model_cfg, ngram_max_n: int = 4, num_threads: int = 0):
+    def __init__(self, model_cfg, ngram_max_n: int = 4, num_threads: int = 0, draft_cfg=None):
         from specmesh.engine.loader import load_configured_model
         from specmesh.tokenization import PromptEncoder
 
@@ -60,6 +69,16 @@ class HFPeer:
         self.encoder = PromptEncoder.from_model_dir(self.model_dir)
         self.eos = sorted(self.encoder.eos_token_ids)
         self.ngram_max_n = ngram_max_n
+        self.draft_cfg, self.require_manifest, self._draft = draft_cfg, model_cfg.require_manifest, None
+
+    def draft(self):
+        """The assistant model (draft_worker.draft_model), loaded on first use like the draft worker."""
+        if self._draft is None:
+            from specmesh.engine.loader import load_configured_model
+
+            dm = self.draft_cfg
+            self._draft = load_configured_model(dm.name, dm.path, dm.dtype, self.require_manifest)[1]
+        return self._draft
 
     def encode(self, prompt: Prompt) -> list[int]:
         if prompt.messages:
@@ -74,6 +93,8 @@ class HFPeer:
             kw.update(do_sample=False, temperature=None, top_p=None, top_k=None)
         if mode == "hf_prompt_lookup":
             kw.update(prompt_lookup_num_tokens=k, max_matching_ngram_size=self.ngram_max_n)
+        elif mode == "hf_assisted":
+            kw.update(assistant_model=self.draft())
         elif mode != "hf_generate":
             raise ValueError(f"unknown peer mode {mode!r}")
         return kw
@@ -95,7 +116,7 @@ class HFPeer:
             return rec
         rec.chunk_times, rec.chunk_tokens, rec.token_ids = streamer.times, streamer.counts, streamer.tokens
         rec.finish_reason = "eos" if rec.token_ids and rec.token_ids[-1] in self.eos else "length"
-        if mode == "hf_prompt_lookup":
+        if mode in ("hf_prompt_lookup", "hf_assisted"):
             rec.round_tokens = list(streamer.counts)
         return rec
 

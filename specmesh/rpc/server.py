@@ -28,6 +28,12 @@ MAX_MESSAGE_BYTES = 64 * 1024 * 1024
 CHANNEL_OPTIONS = [
     ("grpc.max_send_message_length", MAX_MESSAGE_BYTES),
     ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+    # a peer that is not up yet (a big target still loading) is retried every <= 2 s, not on gRPC's
+    # default backoff (x1.6 up to 120 s), which left a worker that came up after a minute unused
+    # for as long again
+    ("grpc.initial_reconnect_backoff_ms", 500),
+    ("grpc.min_reconnect_backoff_ms", 500),
+    ("grpc.max_reconnect_backoff_ms", 2000),
 ]
 ROLES = {"Gateway": "gateway", "Coordinator": "coordinator", "DraftWorker": "draft_worker",
          "TargetWorker": "target_worker", "Admin": "gateway"}

@@ -192,6 +192,10 @@ class E2E:
     """The helpers above, for test modules (see the module docstring)."""
 
     SERVICES = SERVICES
+    REPO = REPO
+    SPECMESH = SPECMESH
+    UpMesh = UpMesh
+    clean_env = staticmethod(clean_env)
     free_ports = staticmethod(free_ports)
     port_open = staticmethod(port_open)
     pid_alive = staticmethod(pid_alive)

@@ -120,3 +120,35 @@ def test_cache_reuse_forwards_only_the_new_suffix(worker, context, monkeypatch):
     forwards.clear()
     _propose(stub, extended, 1, temperature=0.0)  # a miss just recomputes the whole context
     assert forwards == [[len(extended)]]
+
+
+def test_a_cancelled_propose_stops_drafting_and_frees_the_worker(worker, context, monkeypatch):
+    """The coordinator cancels a pre-draft it found stale: the worker stops after the step in
+    progress (instead of drafting all k), keeps the cache it built, and serves the next call."""
+    import threading
+
+    started, release = threading.Event(), threading.Event()
+    real_step = drafters_module.batched_step
+    steps = []
+
+    def slow_step(model, kvs, inputs, *args, **kwargs):
+        steps.append(len(inputs[0]))
+        started.set()
+        release.wait(10)  # the first call is cancelled while this step runs
+        return real_step(model, kvs, inputs, *args, **kwargs)
+
+    monkeypatch.setattr(drafters_module, "batched_step", slow_step)
+    sampling = pb.SamplingOptions(temperature=0.0)
+    req = pb.ProposeRequest(seq_id="c", context=list(context), num_tokens=8, method="draft_model", sampling=sampling)
+    call = worker.draft_stub.Propose.future(req, timeout=120)
+    assert started.wait(30)
+    call.cancel()
+    release.set()
+    with pytest.raises(grpc.FutureCancelledError):
+        call.result()
+    # the next call runs after the cancelled one on the worker's model thread: the worker is free
+    after = _propose(worker.draft_stub, context, 2, seq_id="c", temperature=0.0)
+    assert len(after.token_ids) == 2
+    # drafting all 8 would take 8 steps, then 2 more for the next call; cancelled, at most one more
+    # step ran after the one in progress, and the next call needed its 2
+    assert steps[0] == len(context) and len(steps) <= 4, steps

@@ -112,6 +112,10 @@ def test_mtbench_80_questions_8_categories():
     assert cats == {"writing", "roleplay", "reasoning", "math", "coding", "extraction", "stem", "humanities"}
     assert all(p.prompt for p in prompts) and len({p.prompt_id for p in prompts}) == 80
     assert len({p.category for p in load_dataset("mt-bench", default_cache_dir(), limit=8)}) == 8
+    two = load_dataset("mt-bench:coding,writing", default_cache_dir(), limit=16)
+    assert len(two) == 16 and [p.category for p in two[:4]] == ["writing", "coding"] * 2
+    with pytest.raises(ValueError, match="no MT-Bench category"):
+        load_dataset("mt-bench:poetry", default_cache_dir())
 
 
 def _fake_wheel(path: Path, member: str, data: str) -> None:

@@ -58,3 +58,16 @@ def test_mesh_target_yields_the_gateway_and_a_target_worker_or_none():
 
     with mesh_target(SimpleNamespace(target="127.0.0.1:1"), ["ngram"]) as (gateway, worker):
         assert gateway == "127.0.0.1:1" and worker is None
+
+
+def test_peers_follow_the_config_and_the_peers_option():
+    """hf_assisted only where a draft model of its own is configured; --peers picks among them."""
+    from specmesh.bench.peers import peer_modes
+    from specmesh.config import load_config
+
+    plain = load_config()  # the default config: the target drafts for itself, no assistant peer
+    pair = load_config(overrides={"draft_worker": {"draft_model": {"name": "qwen2.5-coder-0.5b-instruct"}}})
+    assert peer_modes(plain) == ("hf_generate", "hf_prompt_lookup")
+    assert peer_modes(pair) == ("hf_generate", "hf_prompt_lookup", "hf_assisted")
+    modes, _ = plan(bench_args("--drafters", "draft_model", "--compare"), ("hf_generate", "hf_assisted"))
+    assert [m.label for m in modes] == ["spec/draft_model", "ar", "hf_generate", "hf_assisted"]

@@ -168,3 +168,33 @@ def test_k_follows_the_load_although_batch_goodputs_are_close():
     # loaded: k = 0 gives 16 / 1.75 = 9.14, k = 2 gives 16.39 / 1.85 = 8.86 (a relative 5% margin
     # would have kept k = 2)
     assert p.choose(lambda q: t(15 + q), others=15) == 0
+
+
+def test_a_draft_model_waits_per_drafted_token_and_is_seeded_to_draft():
+    """A draft model drafts one token per forward, so its wait grows with k: at 0.1 step per token
+    and rates of 0.85 the best chain is short, where a per-round wait (a block drafter's single
+    forward) of the same size would pick the longest. Before anything is measured a draft model
+    starts drafting (its seed), the n-gram seed does not."""
+    from coordinator.roundpolicy import RoundPolicy
+    from specmesh.core.costmodel import VerifyCost
+    from specmesh.core.types import DraftProposal
+
+    book = RateBook()
+    assert book.seed("draft_model", 4) == [0.8] * 4 and book.seed("ngram", 2) == [0.3, 0.5]
+    cost = VerifyCost()
+    cost.seed({1: 1.0, 2: 1.3, 3: 1.45, 5: 1.6, 9: 2.2})  # a CPU in float32 (docs/bench/engine.md)
+    fresh = RoundPolicy(k_max=8, rate_book=book)
+    fresh.take_cost(cost.as_dict())
+    assert fresh.k("draft_model", 4, limit=50) >= 4
+    chosen = {}
+    for method in ("draft_model", "block"):
+        rp = RoundPolicy(k_max=8, rate_book=RateBook())
+        rp.take_cost(cost.as_dict())
+        k = 4
+        for _ in range(30):
+            # every position accepted with rate ~0.85; the round waited 0.1 step per drafted token
+            rp.learn(method, DraftProposal([1] * k), accepted=3, draft_s=0.1 * k)
+            rp.learn(method, DraftProposal([1] * k), accepted=4, draft_s=0.1 * k)
+        rp.policies.clear()
+        chosen[method] = rp.k(method, 8, limit=50)
+    assert 1 <= chosen["draft_model"] < chosen["block"], chosen

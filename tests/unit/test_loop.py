@@ -71,7 +71,7 @@ class FakeDrafts:
         self.calls: list[dict] = []
         self.released: list[str] = []
 
-    def propose(self, seq_id, context, k, method, params, round_, timeout):
+    def propose(self, seq_id, context, k, method, params, round_, timeout, calls=None):
         self.calls.append(dict(seq_id=seq_id, context=list(context), k=k, method=method, round=round_,
                                timeout=timeout))
         if self.fail(round_):

@@ -114,3 +114,58 @@ def test_overlap_drafts_the_next_round_during_the_verify_and_stays_lossless():
                          overlap=pool)
         assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:30]
         assert gen.stats.predraft_hits == 0 and gen.stats.predraft_misses >= gen.stats.rounds - 1
+
+
+def test_a_predraft_hits_when_the_context_extends_its_base_by_its_own_tokens():
+    """The prefix rule: a pre-draft after base G serves any context G + t_1..t_m (its own first
+    tokens) with t_{m+1}..; a context that leaves G, or names another token, is a miss."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    import torch
+
+    from coordinator.predraft import Predrafter
+    from specmesh.core.types import DraftProposal
+
+    def propose(ctx, n, round_, calls):
+        return DraftProposal([100 + len(ctx) + i for i in range(n)], torch.eye(8)[:n])
+
+    with ThreadPoolExecutor(1) as pool:
+        p = Predrafter(propose, pool)
+        p.start([1, 2], 4, 1)  # t = 102, 103, 104, 105
+        got = p.take([1, 2, 102], timeout=5)  # the target's token was the drafter's first
+        assert got.token_ids == [103, 104, 105] and torch.equal(got.probs, torch.eye(8)[1:4])
+        p.start([1, 2], 4, 2)
+        assert p.take([1, 2], timeout=5).token_ids == [102, 103, 104, 105]  # exactly the base: all
+        for ctx in ([1, 2, 7], [1, 3, 102], [1], [1, 2, 102, 103, 104, 105]):  # another token / base / none left
+            p.start([1, 2], 4, 3)
+            assert p.take(ctx, timeout=5) is None, ctx
+        assert (p.hits, p.misses) == (2, 4)
+
+
+def test_rounds_without_drafts_predraft_and_a_draft_made_during_the_verify_is_used():
+    """A drafter 5x slower than a verify step: waited for, a draft never pays (k = 0). With
+    overlap a k = 0 round still asks the draft tier for the target's next token and one more, while
+    the target works; when the target's token is the drafter's, that draft is ready at no wait and
+    the next round verifies it (a draft made in parallel costs only its verify rows)."""
+    import time
+    from concurrent.futures import ThreadPoolExecutor
+
+    class SlowDrafts(FakeDrafts):
+        def propose(self, *a, **kw):
+            time.sleep(0.05)
+            return super().propose(*a, **kw)
+
+    table = {1: 0.01, 2: 0.0102, 3: 0.0104, 5: 0.0108, 9: 0.0116}
+    with ThreadPoolExecutor(2) as pool:
+        runs = {}
+        for overlap in (None, pool):
+            req = dataclasses.replace(request(max_tokens=40, k=4), k_max=4)
+            book = RateBook()
+            book._rates["ngram"] = [0.0] * 4  # the mesh believes this drafter never fits: k = 0 until a probe
+            gen = Generation(req, CostedTarget(table, verify_sleep=0.08), SlowDrafts(), FakeTokenizer(), {99}, 5.0,
+                             rate_book=book, overlap=overlap)
+            assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:40]
+            runs[overlap is not None] = gen.stats
+        assert runs[False].accepted_tokens <= 8  # waited for: probes only
+        assert runs[True].chosen_k.get(0, 0) >= 1 and runs[True].predraft_hits >= 5
+        assert runs[True].accepted_tokens >= 15, runs[True]

