@@ -28,7 +28,7 @@ import grpc
 from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.errors import Cancelled, Unavailable
 from specmesh.rpc.convert import (cost_from_pb, feature_request_to_pb, features_from_pb, features_to_pb,
-                                  probs_to_bytes, proposal_from_pb, sampling_to_pb)
+                                  probs_to_wire, proposal_from_pb, sampling_to_pb)
 from specmesh.rpc.errors import raise_from_rpc
 from specmesh.rpc.server import make_channel
 from specmesh.v1 import specmesh_pb2 as pb
@@ -77,9 +77,9 @@ class GrpcTargetClient:
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
                features: FeatureSpec | None = None) -> VerifyOutcome:
         vocab = 0 if draft.probs is None else int(draft.probs.shape[1])
-        req = pb.VerifyRequest(seq_id=seq_id, draft_token_ids=draft.token_ids,
-                               draft_probs=probs_to_bytes(draft.probs), vocab_size=vocab,
-                               draft_parents=draft.parents or [])
+        dense, sparse = probs_to_wire(draft.probs)
+        req = pb.VerifyRequest(seq_id=seq_id, draft_token_ids=draft.token_ids, draft_probs=dense,
+                               draft_sparse_probs=sparse, vocab_size=vocab, draft_parents=draft.parents or [])
         if features is not None:
             req.return_features.CopyFrom(feature_request_to_pb(features))
         try:
@@ -253,7 +253,8 @@ class GrpcDraftPool:
             raise_from_rpc(err, f"draft worker {member.address}")
         finally:
             self.members.done(member)
-        return proposal_from_pb(resp.token_ids, resp.probs, resp.vocab_size, resp.parents, resp.features_missing)
+        return proposal_from_pb(resp.token_ids, resp.probs, resp.vocab_size, resp.parents, resp.features_missing,
+                                sparse=resp.sparse_probs if resp.HasField("sparse_probs") else None)
 
     def release(self, seq_id: str) -> None:
         # best effort and asynchronous: the draft cache is only an optimisation (LRU-bounded)

@@ -23,7 +23,7 @@ import torch
 
 from specmesh.core.features import FeatureWindow
 from specmesh.core.ngram import propose_ngram
-from specmesh.core.sampling import make_generator, sample, warp_logits
+from specmesh.core.sampling import make_generator, sample, truncate, warp_logits
 from specmesh.core.tree import build_tree
 from specmesh.core.types import DraftProposal, SamplingParams
 from specmesh.engine.batcher import Batcher
@@ -124,9 +124,13 @@ def _draft_seed(seed: int, round_: int) -> int:
 class ModelDrafter(_BatchedDrafter):
     name = "draft_model"
 
-    def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024):
+    def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024,
+                 proposal_top_k: int = 0):
         self.model = model
         self.vocab_size = model.config.get_text_config().vocab_size
+        # T > 0: sample each draft from its distribution kept on the proposal_top_k likeliest tokens
+        # (0: the whole vocabulary); that truncated row is the proposal sent, sparse on the wire
+        self.proposal_top_k = proposal_top_k
         self._cache = SequenceLru(cache_max_sequences)  # seq_id -> _Cached
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="draft-batcher")
 
@@ -165,6 +169,8 @@ class ModelDrafter(_BatchedDrafter):
                 entries[b].kv.commit(len(inputs[b]))
                 entries[b].tokens += inputs[b]
                 q = warp_logits(out.logits, jobs[b].params)  # [1, V] draft distribution
+                if not jobs[b].params.greedy:
+                    q = truncate(q, self.proposal_top_k)  # exactly what the token is drawn from
                 token = int(sample(q, gens[b])[0]) if not jobs[b].params.greedy else int(q[0].argmax())
                 drafts[b].append(token)
                 probs[b].append(q[0])

@@ -14,7 +14,7 @@ from specmesh.engine import cpu_gemm
 from specmesh.engine.loader import load_configured_model
 from specmesh.errors import InvalidArgument, ModelIntegrityError
 from specmesh.config import MAX_TREE_BUDGET
-from specmesh.rpc.convert import features_from_pb, probs_to_bytes, sampling_from_pb
+from specmesh.rpc.convert import features_from_pb, probs_to_wire, sampling_from_pb
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
@@ -68,7 +68,8 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
                         "specmesh.num_speculative_tokens": request.num_tokens,
                         "specmesh.drafted_tokens": len(draft.token_ids)})
         vocab = getattr(drafter, "vocab_size", 0) if draft.probs is not None else 0
-        return pb.ProposeResponse(token_ids=draft.token_ids, probs=probs_to_bytes(draft.probs), vocab_size=vocab,
+        dense, sparse = probs_to_wire(draft.probs)  # a truncated proposal travels sparse
+        return pb.ProposeResponse(token_ids=draft.token_ids, probs=dense, sparse_probs=sparse, vocab_size=vocab,
                                   features_missing=draft.missing_features, parents=draft.parents or [])
 
     def Release(self, request, context):
@@ -94,6 +95,7 @@ def build_drafters(cfg: MeshConfig) -> dict:
             log.info("draft_model: CPU kernel on (%.0f MB packed)", cpu_gemm.packed_bytes(model) / 1e6)
         bp = cfg.backpressure.draft_worker
         drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences,
+                                               proposal_top_k=dm.proposal_top_k,
                                                max_queue=bp.max_inflight + bp.max_queue)
     if "block" in wcfg.methods:
         block = load_block_model(cfg)  # None: the default artefact is absent (logged)

@@ -48,7 +48,8 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
 
     def Verify(self, request, context):
         draft = proposal_from_pb(request.draft_token_ids, request.draft_probs, request.vocab_size,
-                                 request.draft_parents)
+                                 request.draft_parents,
+                                 sparse=request.draft_sparse_probs if request.HasField("draft_sparse_probs") else None)
         features = feature_request_from_pb(request)
         with self._slot(context):
             out = self.engine.verify(request.seq_id, draft, timeout=context.time_remaining(), features=features)

@@ -229,7 +229,8 @@ def start_services(target_model, prompt_encoder, overrides: dict | None = None,
                 if draft_model is None and (dm.name or dm.path):  # as build_drafters does
                     _, draft_model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest)
                 stack.drafters["draft_model"] = ModelDrafter(draft_model if draft_model is not None else target_model,
-                                                             w.max_batch_size, w.cache_max_sequences)
+                                                             w.max_batch_size, w.cache_max_sequences,
+                                                             proposal_top_k=dm.proposal_top_k)
             if "block" in w.methods:  # the trained block drafter, around the session model's embedding / head
                 block = load_block_model(cfg, target_model.get_input_embeddings(), target_model.get_output_embeddings())
                 if block is not None:  # None: no artefact in this checkout

@@ -51,6 +51,18 @@ def warp_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     return probs
 
 
+def truncate(probs: torch.Tensor, k: int) -> torch.Tensor:
+    """probs: [B, V] -> the same rows kept on their k most likely tokens and renormalised (k <= 0
+    or k >= V: unchanged). A drafter that samples from the truncated rows and sends exactly them
+    stays lossless (rejection sampling needs the proposal the token was drawn from, whatever it
+    is) and its rows travel sparse: k entries instead of V."""
+    if k <= 0 or k >= probs.shape[-1]:
+        return probs
+    vals, idx = probs.topk(k, dim=-1)  # [B, k]
+    out = torch.zeros_like(probs)
+    return out.scatter_(-1, idx, vals / vals.sum(dim=-1, keepdim=True))
+
+
 def sample(probs: torch.Tensor, generator: torch.Generator | None) -> torch.Tensor:
     """Draw one token per row: tokens[i] ~ Categorical(probs[i]).
 

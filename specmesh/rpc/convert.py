@@ -42,14 +42,54 @@ def probs_from_bytes(data: bytes, k: int, vocab_size: int) -> torch.Tensor | Non
     return torch.from_numpy(np.frombuffer(data, dtype="<f4").reshape(k, vocab_size).copy())
 
 
-def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missing_features: bool = False
-                     ) -> DraftProposal:
-    """parents: a draft tree's parent list (empty = a chain)."""
+def probs_to_wire(probs: torch.Tensor | None) -> tuple[bytes, pb.SparseProbs | None]:
+    """probs: [k, V] -> (dense bytes, None), or (b"", SparseProbs) when the rows' supports are
+    small enough that 8 bytes per kept entry beat 4 per vocabulary entry (a truncated proposal)."""
+    if probs is None:
+        return b"", None
+    p = probs.detach().to(torch.float32)
+    nnz = (p > 0).sum(dim=1)  # [k]
+    if int(nnz.sum()) * 8 >= p.numel() * 4:
+        return probs_to_bytes(p), None
+    rows, cols = (p > 0).nonzero(as_tuple=True)  # row-major: each row's support in index order
+    sparse = pb.SparseProbs(row_lengths=nnz.tolist(),
+                            token_ids=cols.numpy().astype("<u4").tobytes(),
+                            probs=p[rows, cols].numpy().astype("<f4").tobytes())
+    return b"", sparse
+
+
+def sparse_from_pb(sparse: pb.SparseProbs, tokens: list[int], vocab_size: int) -> torch.Tensor:
+    """SparseProbs -> dense [k, V] float32, validated: one row per drafted token, ids in range,
+    non-negative finite values summing to 1 per row, and each drafted token inside its row."""
+    lengths = list(sparse.row_lengths)
+    ids = np.frombuffer(sparse.token_ids, dtype="<u4").astype(np.int64)
+    vals = np.frombuffer(sparse.probs, dtype="<f4")
+    if vocab_size <= 0 or len(lengths) != len(tokens) or len(ids) != sum(lengths) or len(vals) != len(ids):
+        raise InvalidArgument("sparse_probs", f"{len(lengths)} rows, {len(ids)} ids and {len(vals)} values "
+                                              f"for {len(tokens)} drafted tokens")
+    if len(ids) and (ids.max() >= vocab_size or not np.isfinite(vals).all() or (vals < 0).any()):
+        raise InvalidArgument("sparse_probs", f"ids must be in [0, {vocab_size}) and values finite, >= 0")
+    out = torch.zeros(len(tokens), vocab_size)
+    rows = np.repeat(np.arange(len(tokens)), lengths)
+    out[torch.from_numpy(rows), torch.from_numpy(ids)] = torch.from_numpy(vals.copy())
+    sums = out.sum(dim=1)
+    if len(tokens) and ((sums - 1).abs() > 1e-3).any():
+        raise InvalidArgument("sparse_probs", "each row must sum to 1")
+    if any(out[i, t] <= 0 for i, t in enumerate(tokens)):
+        raise InvalidArgument("sparse_probs", "a drafted token lies outside the distribution it was drawn from")
+    return out
+
+
+def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missing_features: bool = False,
+                     sparse: pb.SparseProbs | None = None) -> DraftProposal:
+    """parents: a draft tree's parent list (empty = a chain); sparse: the rows in sparse form."""
     tokens = list(token_ids)
     tree = list(parents) or None
     if tree is not None and len(tree) != len(tokens):
         raise InvalidArgument("draft_parents", f"{len(tree)} parents for {len(tokens)} draft tokens")
-    return DraftProposal(tokens, probs_from_bytes(probs, len(tokens), vocab_size), tree, missing_features)
+    dist = sparse_from_pb(sparse, tokens, vocab_size) if sparse is not None and sparse.row_lengths \
+        else probs_from_bytes(probs, len(tokens), vocab_size)
+    return DraftProposal(tokens, dist, tree, missing_features)
 
 
 def features_to_pb(rows: torch.Tensor | None) -> pb.FeatureRows | None:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import draft_worker.drafters as drafters_module
-from specmesh.rpc.convert import probs_from_bytes
+from specmesh.rpc.convert import proposal_from_pb
 from specmesh.v1 import specmesh_pb2 as pb
 
 pytestmark = pytest.mark.service
@@ -62,8 +62,12 @@ def test_sampled_drafts_carry_their_distributions(worker, context):
     resp = _propose(worker.draft_stub, context, k, temperature=0.7, seed=11)
     vocab = worker.drafters["draft_model"].vocab_size
     assert resp.vocab_size == vocab and len(resp.token_ids) == k
-    probs = probs_from_bytes(resp.probs, k, resp.vocab_size)
+    # truncated to draft_model.proposal_top_k (64) tokens: sparse on the wire, 8 bytes per entry
+    assert resp.probs == b"" and list(resp.sparse_probs.row_lengths) == [64] * k
+    assert resp.ByteSize() < k * 64 * 8 + 256 < k * vocab * 4 // 100
+    probs = proposal_from_pb(resp.token_ids, resp.probs, resp.vocab_size, sparse=resp.sparse_probs).probs
     assert probs.shape == (k, vocab) and probs.dtype == torch.float32
+    assert [int((row > 0).sum()) for row in probs] == [64] * k
     assert torch.allclose(probs.sum(dim=-1), torch.ones(k), atol=1e-4)
     assert bool((probs >= 0).all())
     for i, t in enumerate(resp.token_ids):

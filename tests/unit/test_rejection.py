@@ -187,3 +187,29 @@ def test_verify_dispatch_greedy_and_sampled():
     params = SamplingParams(temperature=1.0)
     out = verify(logits, DraftProposal([2, 1], probs), params, make_generator(2))
     assert 1 <= len(out.tokens) <= 3 and all(0 <= t < 4 for t in out.tokens)
+
+
+def test_a_truncated_proposal_sent_sparse_is_lossless():
+    """T > 0 over the wire: the drafter samples from its distribution kept on its top 3 tokens
+    (sampling.truncate) and sends exactly that row (rpc.convert; sparse where that is smaller,
+    tests/unit/test_sparse_probs.py); the verifier decodes it
+    and the emitted tokens still follow p. Half of p's mass lies outside the truncated support, so
+    the residual must supply it."""
+    from specmesh.core.sampling import truncate
+    from specmesh.rpc.convert import probs_to_wire, proposal_from_pb
+
+    q3 = truncate(Q[None], 3)[0]  # [V]: Q's 3 likeliest tokens (ids 3, 4, 5), renormalised
+    assert int((q3 > 0).sum()) == 3 and abs(float(q3.sum()) - 1) < 1e-6
+    gen = make_generator(13)
+    drafts = torch.multinomial(q3, 16_000, replacement=True, generator=gen).tolist()
+    target = P.expand(2, V).contiguous()
+    tokens = []
+    for x in drafts:
+        dense, sparse = probs_to_wire(q3[None])
+        sent = proposal_from_pb([x], dense, V, sparse=sparse)  # what the target worker decodes
+        assert torch.equal(sent.probs[0], q3)
+        tokens.append(verify_rejection(target, sent.token_ids, sent.probs, gen).tokens[0])
+    overlap = torch.minimum(P, q3)
+    buggy = overlap + (1 - overlap.sum()) * P  # recovered ~ p instead of the residual
+    assert tv(buggy, P) > 0.1
+    _check_converges_to_p(tokens, buggy, tol=0.02)
