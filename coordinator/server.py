@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import logging
 import sys
 from concurrent.futures import ThreadPoolExecutor
 
 from coordinator import observe
 from coordinator.admin import CoordinatorAdminServicer
+from coordinator.canary import CanaryBook, CanaryGuard
 from coordinator.clients import GrpcDraftPool, TargetPool, pools_from_config
 from coordinator.control import SpeculationControl
 from coordinator.loop import Generation
+from specmesh.core.canary import CONTROL, Canary
 from specmesh.core.goodput import RateBook
 from specmesh.core.ngram import propose_ngram
 from specmesh.core.types import FeatureSpec, GenerationRequest
@@ -23,6 +26,7 @@ from specmesh.rpc.requests import Limits, decode_request
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import Service, service_options
 from specmesh.runtime import service_args, start_process
+from specmesh.telemetry import context as reqctx
 from specmesh.telemetry.workers import admission_limiter
 from specmesh.tokenization import PromptEncoder, model_encoder
 from specmesh.v1 import specmesh_pb2 as pb
@@ -37,9 +41,14 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                  control: SpeculationControl | None = None):
         self.cfg, self.encoder, self.targets, self.drafts = cfg, encoder, targets, drafts
         self.limits = Limits(cfg.gateway.max_tokens_limit, cfg.gateway.max_stop_strings)
-        # the admin hot switch (served by CoordinatorAdminServicer) and backpressure
+        # the admin hot switch and canary (served by CoordinatorAdminServicer), the canary's
+        # per-arm windows (admin canary) and guard, and backpressure
+        canary = Canary(cfg.coordinator.canary.share, cfg.coordinator.canary.keys)
+        self.canary_book = CanaryBook(canary)
         self.control = control or SpeculationControl(cfg.speculative.max_speculative_tokens,
-                                                     on_change=observe.speculation_changed)
+                                                     on_change=self._speculation_changed, canary=canary)
+        observe.speculation_changed(self.control.state)  # the gauges at start
+        self.guard = _guard(cfg.coordinator.canary, self.control)
         self.admission = admission_limiter("coordinator", cfg.backpressure.coordinator)
         self.model = observe.model_name(cfg)
         spec = cfg.speculative  # what the block drafter reads: asked of the target, sent on to the draft tier
@@ -52,48 +61,80 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.local_drafters = ({"ngram": lambda context, k: propose_ngram(context, k, ng.min_n, ng.max_n)}
                                if cfg.coordinator.local_ngram else {})
 
-    def _generation(self, request, context) -> Generation:
+    def _speculation_changed(self, state) -> None:
+        observe.speculation_changed(state)
+        self.canary_book.changed(state)
+
+    def _arm(self, req: GenerationRequest) -> tuple[GenerationRequest, str]:
+        """The request's canary arm, chosen once; a control request runs with speculation off."""
+        info = reqctx.current()
+        arm = self.control.arm(req.request_id, info.key_name if info else "", speculates=req.method != "off")
+        if info is not None:
+            info.arm = arm  # on this span, the access line, and forwarded to the workers' spans
+        if arm == CONTROL and req.method != "off":
+            req = dataclasses.replace(req, method="off", k=0, k_max=0)
+        return req, arm
+
+    def _generation(self, request, context) -> tuple[Generation, str]:
         left, limit = context.time_remaining(), self.cfg.gateway.max_deadline_s  # clamped here too
         req: GenerationRequest = decode_request(request, self.encoder, self.limits, self.cfg.speculative,
                                                 limit if left is None else min(left, limit))
+        req, arm = self._arm(req)
         c = self.cfg.coordinator
         return Generation(req, self.targets.pick(prompt_tokens=len(req.prompt_ids)), self.drafts,
                           self.encoder.tokenizer, self.encoder.eos_token_ids, c.draft_timeout_s, context.is_active,
                           reroute=lambda tried: self.targets.pick(exclude=tried, prompt_tokens=len(req.prompt_ids)),
                           max_reroutes=c.max_target_failovers, target_timeout_s=c.target_call_timeout_s,
-                          control=self.control, observer=observe.on_round, feature_spec=self.feature_spec,
-                          rate_book=self.rate_book, local_drafters=self.local_drafters,
-                          overlap=self.predraft_pool)
+                          control=self.control, observer=functools.partial(observe.on_round, arm=arm),
+                          feature_spec=self.feature_spec, rate_book=self.rate_book,
+                          local_drafters=self.local_drafters, overlap=self.predraft_pool), arm
 
-    def _final(self, gen: Generation, cls, **fields):
+    def _final(self, gen: Generation, tel, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))
-        return cls(finish_reason=gen.out.finish_reason or "", usage=usage,
-                   spec=stats_to_pb(gen.stats, gen.method), request_id=gen.req.request_id, **fields)
+        spec = stats_to_pb(gen.stats, gen.method)
+        spec.arm = tel.arm
+        return cls(finish_reason=gen.out.finish_reason or "", usage=usage, spec=spec,
+                   request_id=gen.req.request_id, **fields)
 
     def Generate(self, request, context):
         with self.admission.slot(deadline_from(context)):
-            gen = self._generation(request, context)
-            tel = observe.RequestTelemetry(gen, self.model, request.raw, self.control)
+            gen, arm = self._generation(request, context)
+            tel = observe.RequestTelemetry(gen, self.model, request.raw, self.control, arm)
+            failed = None
             try:
                 for _ in gen.run():
                     pass
+            except BaseException as exc:
+                failed = exc
+                raise
             finally:
-                tel.finish()
-            return self._final(gen, pb.GenerateResponse, text=gen.out.text, token_ids=gen.out.token_ids)
+                tel.finish(failed)
+            return self._final(gen, tel, pb.GenerateResponse, text=gen.out.text, token_ids=gen.out.token_ids)
 
     def GenerateStream(self, request, context):
         with self.admission.slot(deadline_from(context)):
-            gen = self._generation(request, context)
-            tel = observe.RequestTelemetry(gen, self.model, request.raw, self.control)
+            gen, arm = self._generation(request, context)
+            tel = observe.RequestTelemetry(gen, self.model, request.raw, self.control, arm)
+            failed = None
             try:
                 for chunk in gen.run():
                     if chunk.finish_reason:
-                        yield self._final(gen, pb.GenerateChunk, text=chunk.text, token_ids=chunk.token_ids)
+                        yield self._final(gen, tel, pb.GenerateChunk, text=chunk.text, token_ids=chunk.token_ids)
                     elif chunk.token_ids or chunk.text:
                         yield pb.GenerateChunk(text=chunk.text, token_ids=chunk.token_ids,
                                                request_id=gen.req.request_id)
+            except BaseException as exc:
+                failed = exc
+                raise
             finally:
-                tel.finish()
+                tel.finish(failed)
+
+
+def _guard(ccfg, control: SpeculationControl) -> CanaryGuard | None:
+    """coordinator.canary.guard_margin set: the guard thread, started; null: None."""
+    if ccfg.guard_margin is None:
+        return None
+    return CanaryGuard(control, ccfg.guard_margin, ccfg.guard_min_requests, ccfg.guard_interval_s).start()
 
 
 def main(argv=None) -> int:
@@ -111,7 +152,7 @@ def main(argv=None) -> int:
 
     def register(server) -> None:
         pb_grpc.add_CoordinatorServicer_to_server(servicer, server)
-        apb_grpc.add_AdminServicer_to_server(CoordinatorAdminServicer(servicer.control), server)
+        apb_grpc.add_AdminServicer_to_server(CoordinatorAdminServicer.of(servicer), server)
 
     service = Service("specmesh.v1.Coordinator", ccfg.listen, register, ccfg.max_workers, **opts)
     service.start()

@@ -37,14 +37,24 @@ class GatewayAdminServicer(apb_grpc.AdminServicer):
         except grpc.RpcError as err:
             raise_from_rpc(err, "coordinator")
 
+    def GetCanary(self, request, context):
+        self._authorize(context)
+        try:
+            return self.stub.GetCanary(request, timeout=self._timeout(context))
+        except grpc.RpcError as err:
+            raise_from_rpc(err, "coordinator")
+
     def SetSpeculation(self, request, context):
         who = self._authorize(context)
         try:
             state = self.stub.SetSpeculation(request, timeout=self._timeout(context))
         except grpc.RpcError as err:
             raise_from_rpc(err, "coordinator")
-        log.info("admin %s set speculation: enabled=%s method=%s k=%d (version %d)", who, state.enabled,
-                 state.method or "(request's)", state.num_speculative_tokens, state.version,
+        keys = ",".join(state.keys) or "(all)"
+        log.info("admin %s set speculation: enabled=%s method=%s k=%d canary share=%s keys=%s (version %d)", who,
+                 state.enabled, state.method or "(request's)", state.num_speculative_tokens, state.share, keys,
+                 state.version,
                  extra={"fields": {"event": "speculation_switch", "enabled": state.enabled, "method": state.method,
-                                   "k": state.num_speculative_tokens, "version": state.version}})
+                                   "k": state.num_speculative_tokens, "version": state.version,
+                                   "canary_share": state.share, "canary_keys": list(state.keys)}})
         return state

@@ -22,6 +22,7 @@ from specmesh.config_ops import (  # noqa: E402  (sections of the production gat
     AdmissionConfig,
     AuthConfig,
     BackpressureConfig,
+    CanaryConfig,
     HealthConfig,
     LoggingConfig,
     MeshTlsConfig,
@@ -159,9 +160,11 @@ class CoordinatorConfig:
     # draft round r+1 while the target verifies round r, on the guess that r is accepted in full
     # (coordinator/predraft.py; remote chain drafters); opt-in until its benchmarks land
     overlap_drafting: bool = False
+    canary: CanaryConfig = field(default_factory=CanaryConfig)  # the speculation canary (docs/rollout.md)
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
+        self.canary.validate(f"{key}.canary")
         _check(len(self.target_workers) >= 1, f"{key}.target_workers", "needs at least one address")
         for i, addr in enumerate(self.draft_workers):
             _check_address(addr, f"{key}.draft_workers[{i}]")

@@ -1,5 +1,5 @@
 """Config sections of the production gateway and observability (auth, rate limits, backpressure,
-health, shutdown, metrics, TLS, logging). Part of specmesh.config (MeshConfig holds them);
+health, shutdown, metrics, TLS, logging, the speculation canary). Part of specmesh.config (MeshConfig holds them);
 split out only to keep that module small. Same rules: frozen dataclasses, validated at load."""
 
 from __future__ import annotations
@@ -68,6 +68,24 @@ class BackpressureConfig:
     def validate(self, key: str) -> None:
         for f in dataclasses.fields(self):
             getattr(self, f.name).validate(f"{key}.{f.name}")
+
+
+@dataclass(frozen=True)
+class CanaryConfig:
+    """coordinator.canary: the speculation canary at start (docs/rollout.md)."""
+
+    share: float = 1.0  # share of new requests in the `spec` arm; the rest run with speculation off
+    keys: tuple[str, ...] = ()  # limit the canary to these API key names (others: control); () = all
+    guard_margin: float | None = None  # trip (share -> 0) when spec's TPOT p99 > control's x (1 + margin)
+    guard_min_requests: int = 20  # TPOT samples each arm needs in a window before the guard judges
+    guard_interval_s: float = 10.0  # the guard looks this often
+
+    def validate(self, key: str) -> None:
+        _check(0.0 <= self.share <= 1.0, f"{key}.share", "must be in [0, 1]")
+        _check(all(bool(k) and "," not in k for k in self.keys), f"{key}.keys", "non-empty names without ','")
+        _check(self.guard_margin is None or self.guard_margin >= 0, f"{key}.guard_margin", "must be >= 0 or null")
+        _check(self.guard_min_requests >= 1, f"{key}.guard_min_requests", "must be >= 1")
+        _check(self.guard_interval_s > 0, f"{key}.guard_interval_s", "must be > 0")
 
 
 @dataclass(frozen=True)

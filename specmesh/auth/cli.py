@@ -1,4 +1,4 @@
-"""`specmesh keys ...` and `specmesh admin ...`, and the client options every gateway call shares
+"""`specmesh keys ...` (and `specmesh admin ...`, from specmesh/admin_cli.py), and the client options every gateway call shares
 (--api-key / $SPECMESH_API_KEY, --ca-file / --cert-file / --key-file for TLS)."""
 
 from __future__ import annotations
@@ -72,40 +72,6 @@ def _cmd_keys(args) -> int:
     return 0
 
 
-# ---------------------------------------------------------------------------- admin
-
-def _cmd_admin(args) -> int:
-    import grpc
-
-    from specmesh.v1 import admin_pb2 as apb
-    from specmesh.v1 import admin_pb2_grpc as apb_grpc
-
-    req = apb.SetSpeculationRequest(reset=args.reset)
-    if args.on or args.off:
-        req.enabled = bool(args.on)
-    if args.method is not None:
-        req.method = args.method
-    if args.k is not None:
-        req.num_speculative_tokens = args.k
-    changing = req.HasField("enabled") or req.HasField("method") or req.HasField("num_speculative_tokens") \
-        or args.reset
-    with client_channel(args) as channel:
-        stub = apb_grpc.AdminStub(channel)
-        try:
-            if changing:
-                state = stub.SetSpeculation(req, timeout=args.timeout, metadata=call_metadata(args))
-            else:
-                state = stub.GetSpeculation(apb.GetSpeculationRequest(), timeout=args.timeout,
-                                            metadata=call_metadata(args))
-        except grpc.RpcError as err:
-            print(f"{err.code().name}: {err.details()}", file=sys.stderr)
-            return 1
-    print(json.dumps({"enabled": state.enabled, "method": state.method or None,
-                      "num_speculative_tokens": None if state.num_speculative_tokens < 0
-                      else state.num_speculative_tokens, "version": state.version}))
-    return 0
-
-
 def add_commands(sub, default_target: str) -> None:
     p = sub.add_parser("keys", help="API keys: create, list, revoke (Redis at $SPECMESH_REDIS_URL)")
     p.add_argument("--config")
@@ -122,16 +88,6 @@ def add_commands(sub, default_target: str) -> None:
     c.add_argument("name_or_id")
     p.set_defaults(fn=_cmd_keys)
 
-    p = sub.add_parser("admin", help="run-time operations through the gateway (an admin key is required)")
-    ad = p.add_subparsers(dest="admin_command", required=True)
-    s = ad.add_parser("speculation", help="show, or switch speculation for new rounds: --on/--off, --method, --k")
-    s.add_argument("--target", default=default_target, help="gateway host:port")
-    onoff = s.add_mutually_exclusive_group()
-    onoff.add_argument("--on", action="store_true", help="speculate again")
-    onoff.add_argument("--off", action="store_true", help="every round: the target alone")
-    s.add_argument("--method", help="drafter for speculating requests ('' = each request's own)")
-    s.add_argument("--k", type=int, help="speculative tokens per round (-1 = each request's own)")
-    s.add_argument("--reset", action="store_true", help="back to the configuration first")
-    s.add_argument("--timeout", type=float, default=30.0)
-    add_client_arguments(s)
-    p.set_defaults(fn=_cmd_admin)
+    from specmesh.admin_cli import add_admin_commands
+
+    add_admin_commands(sub, default_target)  # admin speculation, admin canary

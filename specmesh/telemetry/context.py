@@ -1,4 +1,5 @@
-"""The request-scoped facts every hop logs and propagates (request id, API key name, probe).
+"""The request-scoped facts every hop logs and propagates (request id, API key name, probe, and
+the speculation canary's arm once the coordinator has chosen it).
 
 A RequestInfo lives for one RPC; the server interceptor creates it and makes it current while
 the handler runs; servicers add fields (token counts, status facts) for the access log line;
@@ -17,6 +18,7 @@ from typing import Iterator
 REQUEST_ID_KEY = "x-specmesh-request-id"
 KEY_NAME_KEY = "x-specmesh-key-name"
 PROBE_KEY = "x-specmesh-probe"  # the gateway's health probe: not traced, logged at DEBUG
+ARM_KEY = "x-specmesh-arm"  # the canary arm (spec | control), from the coordinator to the workers
 AUTHORIZATION_KEY = "authorization"
 
 
@@ -27,6 +29,7 @@ class RequestInfo:
     request_id: str = ""
     key_name: str = ""
     probe: bool = False
+    arm: str = ""
     fields: dict = field(default_factory=dict)  # extra access-log fields (token counts, timings, ...)
 
     def update(self, **values) -> None:
@@ -60,10 +63,12 @@ def outgoing_metadata(info: RequestInfo | None) -> list[tuple[str, str]]:
         out.append((KEY_NAME_KEY, info.key_name))
     if info.probe:
         out.append((PROBE_KEY, "1"))
+    if info.arm:
+        out.append((ARM_KEY, info.arm))
     return out
 
 
 def from_metadata(service: str, method: str, metadata) -> RequestInfo:
     md = {k: v for k, v in (metadata or ())}
     return RequestInfo(service, method, request_id=str(md.get(REQUEST_ID_KEY, "")),
-                       key_name=str(md.get(KEY_NAME_KEY, "")), probe=PROBE_KEY in md)
+                       key_name=str(md.get(KEY_NAME_KEY, "")), probe=PROBE_KEY in md, arm=str(md.get(ARM_KEY, "")))

@@ -16,6 +16,7 @@ USAGE_INPUT = "gen_ai.usage.input_tokens"
 USAGE_OUTPUT = "gen_ai.usage.output_tokens"
 FINISH_REASONS = "gen_ai.response.finish_reasons"
 RESPONSE_ID = "gen_ai.response.id"
+ARM = "specmesh.canary.arm"  # spec | control: the request's arm of the speculation canary
 
 
 def request_attributes(model: str, req, raw: bool = False) -> dict:
@@ -44,7 +45,8 @@ def response_attributes(prompt_tokens: int, completion_tokens: int, finish_reaso
 
 
 def spec_attributes(method: str, rounds: int, drafted: int, accepted: int, acceptance_length: float,
-                    draft_failures: int = 0, enabled: bool | None = None, k: int | None = None) -> dict:
+                    draft_failures: int = 0, enabled: bool | None = None, k: int | None = None,
+                    arm: str | None = None) -> dict:
     return {
         "specmesh.drafter": method,
         "specmesh.rounds": int(rounds),
@@ -54,10 +56,11 @@ def spec_attributes(method: str, rounds: int, drafted: int, accepted: int, accep
         "specmesh.draft_failures": int(draft_failures),
         "specmesh.speculation.enabled": enabled,
         "specmesh.speculation.num_speculative_tokens": k,
+        ARM: arm or None,
     }
 
 
 def spec_attributes_from_pb(spec) -> dict:
     """From a protobuf SpecStats (what the gateway sees in the final response/chunk)."""
     return spec_attributes(spec.method, spec.rounds, spec.drafted_tokens, spec.accepted_tokens,
-                           spec.mean_acceptance_length, spec.draft_failures)
+                           spec.mean_acceptance_length, spec.draft_failures, arm=spec.arm)

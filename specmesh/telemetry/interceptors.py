@@ -26,7 +26,8 @@ log = logging.getLogger("specmesh.access")
 
 HEALTH_PREFIX = "/grpc.health.v1."
 # one INFO line per request for these; per-round internals (Verify, Propose, ...) log at DEBUG
-REQUEST_METHODS = frozenset({"Generate", "GenerateStream", "Prefill", "GetSpeculation", "SetSpeculation"})
+REQUEST_METHODS = frozenset({"Generate", "GenerateStream", "Prefill", "GetSpeculation", "SetSpeculation",
+                             "GetCanary"})
 _QUIET_CODES = ("OK", "CANCELLED", "INVALID_ARGUMENT", "NOT_FOUND")
 
 
@@ -89,6 +90,8 @@ class _Rpc:
                 self.span.set_attribute("specmesh.request_id", self.info.request_id)
             if self.info.key_name:
                 self.span.set_attribute("specmesh.api_key.name", self.info.key_name)
+            if self.info.arm:
+                self.span.set_attribute("specmesh.canary.arm", self.info.arm)
             if code not in ("OK",):
                 self.span.set_status(Status(StatusCode.ERROR, code))
             self.span.end()
@@ -106,6 +109,8 @@ class _Rpc:
         if code != "OK":
             details = context.details() or ""
             fields["error"] = (details.decode("utf-8", "replace") if isinstance(details, bytes) else str(details))[:500]
+        if self.info.arm:
+            fields["arm"] = self.info.arm
         fields.update(self.info.fields)
         log.log(level, "%s %s %s", self.full_method.strip("/"), code, fields["duration_ms"], extra={"fields": fields})
 

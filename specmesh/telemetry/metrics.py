@@ -35,28 +35,37 @@ RATELIMIT_BACKEND_ERRORS = Counter("specmesh_ratelimit_backend_errors",
                                    "Redis unreachable during auth / rate limiting", ["mode"])
 HEALTH_PROBE_OK = Gauge("specmesh_health_probe_ok", "1 while the gateway's one-token probe succeeds")
 
-# ---- coordinator (speculation)
-DRAFTED = Counter("specmesh_drafted_tokens", "tokens proposed by the draft tier", ["method"])
-ACCEPTED = Counter("specmesh_accepted_tokens", "drafted tokens the target accepted", ["method"])
-DRAFTED_AT = Counter("specmesh_drafted_per_position", "rounds that drafted position i", ["method", "position"])
+# ---- coordinator (speculation); `arm`: the canary arm of the request, spec | control
+_TPOT = (0.001, 0.002, 0.003, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.06, 0.075, 0.1,
+         0.125, 0.15, 0.2, 0.25, 0.3, 0.4, 0.5, 0.75, 1, 2.5, 5)
+_E2E = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 0.75, 1, 1.5, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 60, 120, 300, 600)
+DRAFTED = Counter("specmesh_drafted_tokens", "tokens proposed by the draft tier", ["method", "arm"])
+ACCEPTED = Counter("specmesh_accepted_tokens", "drafted tokens the target accepted", ["method", "arm"])
+DRAFTED_AT = Counter("specmesh_drafted_per_position", "rounds that drafted position i", ["method", "position", "arm"])
 ACCEPTED_AT = Counter("specmesh_accepted_per_position", "rounds that accepted the draft at position i",
-                      ["method", "position"])
+                      ["method", "position", "arm"])
 ACCEPTANCE_LENGTH = Histogram("specmesh_acceptance_length", "tokens emitted per target verify round",
-                              ["method"], buckets=_ACCEPT)
-DRAFT_FAILURES = Counter("specmesh_draft_failures", "rounds run with the target alone because drafting failed")
+                              ["method", "arm"], buckets=_ACCEPT)
+DRAFT_FAILURES = Counter("specmesh_draft_failures", "rounds run with the target alone because drafting failed",
+                         ["arm"])
 DRAFT_LATENCY = Histogram("specmesh_draft_latency_seconds", "one Propose call, as the coordinator sees it",
-                          ["method"], buckets=_LATENCY)
+                          ["method", "arm"], buckets=_LATENCY)
 VERIFY_LATENCY = Histogram("specmesh_verify_latency_seconds", "one Verify call, as the coordinator sees it",
-                           buckets=_LATENCY)
-TTFT = Histogram("specmesh_ttft_seconds", "time to first token", buckets=_LATENCY)
-TPOT = Histogram("specmesh_tpot_seconds", "time per output token after the first", buckets=_LATENCY)
-PROMPT_TOKENS = Counter("specmesh_prompt_tokens", "prompt tokens of finished requests")
-COMPLETION_TOKENS = Counter("specmesh_completion_tokens", "tokens generated")
+                           ["arm"], buckets=_LATENCY)
+TTFT = Histogram("specmesh_ttft_seconds", "time to first token", ["arm"], buckets=_LATENCY)
+TPOT = Histogram("specmesh_tpot_seconds", "time per output token after the first", ["arm"], buckets=_TPOT)
+E2E = Histogram("specmesh_e2e_seconds", "a generation from receipt to its last token (finished OK)", ["arm"],
+                buckets=_E2E)
+REQUESTS = Counter("specmesh_requests", "generations by canary arm and final status code", ["arm", "code"])
+PROMPT_TOKENS = Counter("specmesh_prompt_tokens", "prompt tokens of finished requests", ["arm"])
+COMPLETION_TOKENS = Counter("specmesh_completion_tokens", "tokens generated", ["arm"])
 SPEC_ENABLED = Gauge("specmesh_speculation_enabled", "1 while speculation is on (admin hot switch)")
 SPEC_K = Gauge("specmesh_speculation_num_speculative_tokens", "k override (-1: the request's own)")
 SPEC_METHOD = Gauge("specmesh_speculation_method", "1 for the drafter override in force ('' = the request's)",
                     ["method"])
 SPEC_SWITCHES = Counter("specmesh_speculation_switches", "admin changes of the speculation settings")
+CANARY_SHARE = Gauge("specmesh_canary_share", "share of eligible new requests in the spec arm (1 = all)")
+CANARY_GUARD_TRIPS = Counter("specmesh_canary_guard_trips", "times the canary guard turned the share to 0")
 
 # ---- target worker
 LIVE_SEQUENCES = Gauge("specmesh_live_sequences", "sequences holding a KV cache")
@@ -83,13 +92,14 @@ def serve(host: str, port: int, service: str) -> int | None:
     return bound
 
 
-def observe_round(method: str, drafted: int, accepted: int, emitted: int, verify_s: float) -> None:
-    ACCEPTANCE_LENGTH.labels(method).observe(emitted)
-    VERIFY_LATENCY.observe(verify_s)
+def observe_round(method: str, drafted: int, accepted: int, emitted: int, verify_s: float,
+                  arm: str = "spec") -> None:
+    ACCEPTANCE_LENGTH.labels(method, arm).observe(emitted)
+    VERIFY_LATENCY.labels(arm).observe(verify_s)
     if drafted:
-        DRAFTED.labels(method).inc(drafted)
-        ACCEPTED.labels(method).inc(accepted)
+        DRAFTED.labels(method, arm).inc(drafted)
+        ACCEPTED.labels(method, arm).inc(accepted)
         for i in range(drafted):
-            DRAFTED_AT.labels(method, str(i)).inc()
+            DRAFTED_AT.labels(method, str(i), arm).inc()
         for i in range(accepted):
-            ACCEPTED_AT.labels(method, str(i)).inc()
+            ACCEPTED_AT.labels(method, str(i), arm).inc()

@@ -225,7 +225,7 @@ def start_mesh(target_model, encoder, overrides: dict | None = None, guard=None)
 
         def reg_coordinator(s):
             pb_grpc.add_CoordinatorServicer_to_server(mesh.coordinator, s)
-            apb_grpc.add_AdminServicer_to_server(CoordinatorAdminServicer(mesh.coordinator.control), s)
+            apb_grpc.add_AdminServicer_to_server(CoordinatorAdminServicer.of(mesh.coordinator), s)
 
         for role, name, register in (
                 ("target_worker", "specmesh.v1.TargetWorker", lambda s: pb_grpc.add_TargetWorkerServicer_to_server(tservicer, s)),

@@ -17,7 +17,7 @@ README = Path(__file__).resolve().parents[2] / "docs" / "operations.md"  # the m
 def documented_names() -> set[str]:
     text = README.read_text()
     section = text.split("## Metrics", 1)[1].split("\n## ", 1)[0]
-    return set(re.findall(r"`(specmesh_[a-z_]+)`", section))
+    return set(re.findall(r"`(specmesh_[a-z0-9_]+)`", section))
 
 
 def families() -> set[str]:
@@ -41,15 +41,18 @@ def test_observe_round_counts_tokens_and_positions():
     def val(name, labels):
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
-    before = (val("specmesh_drafted_tokens_total", {"method": "unit"}),
-              val("specmesh_accepted_per_position_total", {"method": "unit", "position": "1"}),
-              val("specmesh_acceptance_length_count", {"method": "unit"}))
-    metrics.observe_round("unit", drafted=4, accepted=2, emitted=3, verify_s=0.01)
-    after = (val("specmesh_drafted_tokens_total", {"method": "unit"}),
-             val("specmesh_accepted_per_position_total", {"method": "unit", "position": "1"}),
-             val("specmesh_acceptance_length_count", {"method": "unit"}))
-    assert after[0] - before[0] == 4 and after[1] - before[1] == 1 and after[2] - before[2] == 1
-    assert val("specmesh_accepted_per_position_total", {"method": "unit", "position": "2"}) == 0
+    def read(arm):
+        return (val("specmesh_drafted_tokens_total", {"method": "unit", "arm": arm}),
+                val("specmesh_accepted_per_position_total", {"method": "unit", "position": "1", "arm": arm}),
+                val("specmesh_acceptance_length_count", {"method": "unit", "arm": arm}),
+                val("specmesh_verify_latency_seconds_count", {"arm": arm}))
+
+    before, before_control = read("spec"), read("control")
+    metrics.observe_round("unit", drafted=4, accepted=2, emitted=3, verify_s=0.01, arm="spec")
+    after = read("spec")
+    assert [a - b for a, b in zip(after, before)] == [4, 1, 1, 1]
+    assert read("control") == before_control  # the arm label keeps the arms apart
+    assert val("specmesh_accepted_per_position_total", {"method": "unit", "position": "2", "arm": "spec"}) == 0
 
 
 def test_serve_off_and_on_a_free_port():

@@ -33,6 +33,8 @@ def test_response_and_spec_attributes():
     assert s["specmesh.rounds"] == 3 and s["specmesh.drafted_tokens"] == 12
     assert s["specmesh.accepted_tokens"] == 7 and s["specmesh.acceptance_length"] == 2.5
     assert s["specmesh.drafter"] == "ngram" and s["specmesh.speculation.enabled"] is True
+    assert s["specmesh.canary.arm"] is None  # skipped on spans
+    assert genai.spec_attributes("off", 3, 0, 0, 1.0, arm="control")["specmesh.canary.arm"] == "control"
 
 
 def test_exporters_from_env():
@@ -46,7 +48,9 @@ def test_request_context_round_trips_through_metadata():
     info = reqctx.RequestInfo("gateway", "Generate", request_id="r9", key_name="alice")
     md = reqctx.outgoing_metadata(info)
     back = reqctx.from_metadata("coordinator", "Generate", md)
-    assert (back.request_id, back.key_name, back.probe) == ("r9", "alice", False)
+    assert (back.request_id, back.key_name, back.probe, back.arm) == ("r9", "alice", False, "")
+    armed = reqctx.RequestInfo("coordinator", "Generate", request_id="r9", arm="control")
+    assert reqctx.from_metadata("target_worker", "Verify", reqctx.outgoing_metadata(armed)).arm == "control"
     assert reqctx.from_metadata("x", "y", reqctx.outgoing_metadata(
         reqctx.RequestInfo("g", "p", probe=True))).probe
     assert reqctx.outgoing_metadata(None) == []
