@@ -88,7 +88,8 @@ def test_admin_cli(admin_mesh, capsys):
     assert json.loads(capsys.readouterr().out)["enabled"] is False
     assert main(["admin", "speculation", "--on", "--method", "ngram", "--k", "3", *target]) == 0
     state = json.loads(capsys.readouterr().out)
-    assert state == {"enabled": True, "method": "ngram", "num_speculative_tokens": 3, "version": state["version"]}
+    assert state == {"enabled": True, "method": "ngram", "num_speculative_tokens": 3, "version": state["version"],
+                     "share": 1.0, "keys": [], "guard_tripped": None}
     assert main(["admin", "speculation", "--off", "--target", mesh.services["gateway"].listen]) == 1
     assert capsys.readouterr().err.startswith("UNAUTHENTICATED")
     assert main(["admin", "speculation", "--reset", *target]) == 0

@@ -57,17 +57,19 @@ def test_speculation_latency_and_rpc_metrics_move(scraped):
     assert delta("specmesh_rpc_requests_total", service="gateway", method="Generate", code="OK") == 1
     assert delta("specmesh_rpc_requests_total", service="gateway", method="Generate", code="INVALID_ARGUMENT") == 1
     assert delta("specmesh_rpc_requests_total", service="target_worker", method="Verify", code="OK") == resp.spec.rounds
-    assert delta("specmesh_acceptance_length_count", method=resp.spec.method) == resp.spec.rounds
-    assert delta("specmesh_drafted_tokens_total", method="ngram") == resp.spec.drafted_tokens
-    assert delta("specmesh_accepted_tokens_total", method="ngram") == resp.spec.accepted_tokens
-    assert delta("specmesh_ttft_seconds_count") == 1 and delta("specmesh_tpot_seconds_count") == 1
-    assert delta("specmesh_verify_latency_seconds_count") == resp.spec.rounds
-    assert delta("specmesh_completion_tokens_total") == resp.usage.completion_tokens
+    assert delta("specmesh_acceptance_length_count", method=resp.spec.method, arm="spec") == resp.spec.rounds
+    assert delta("specmesh_drafted_tokens_total", method="ngram", arm="spec") == resp.spec.drafted_tokens
+    assert delta("specmesh_accepted_tokens_total", method="ngram", arm="spec") == resp.spec.accepted_tokens
+    assert delta("specmesh_ttft_seconds_count", arm="spec") == 1 and delta("specmesh_tpot_seconds_count", arm="spec") == 1
+    assert delta("specmesh_e2e_seconds_count", arm="spec") == 1 and delta("specmesh_requests_total", arm="spec", code="OK") == 1
+    assert delta("specmesh_verify_latency_seconds_count", arm="spec") == resp.spec.rounds
+    assert delta("specmesh_completion_tokens_total", arm="spec") == resp.usage.completion_tokens
     assert delta("specmesh_rpc_duration_seconds_count", service="coordinator", method="Generate") == 1
     if resp.spec.drafted_tokens:
-        assert delta("specmesh_drafted_per_position_total", method="ngram", position="0") >= 1
-        assert delta("specmesh_draft_latency_seconds_count", method="ngram") >= 1
+        assert delta("specmesh_drafted_per_position_total", method="ngram", position="0", arm="spec") >= 1
+        assert delta("specmesh_draft_latency_seconds_count", method="ngram", arm="spec") >= 1
     assert get(after, "specmesh_inflight_requests", service="gateway") == 0
+    assert resp.spec.arm == "spec"  # the default share (1): every speculating request is in spec
 
 
 def test_live_sequences_and_kv_cache_while_a_stream_runs(scraped):

@@ -86,6 +86,24 @@ def test_one_trace_across_all_four_services(traced):
     assert not any(KEY in str(s.attributes) for s in spans)
 
 
+@pytest.mark.parametrize("share, arm", [(1.0, "spec"), (0.0, "control")])
+def test_every_span_of_a_request_carries_its_canary_arm(traced, share, arm):
+    mesh, exporter = traced
+    rid = f"tele-arm-{arm}"
+    mesh.coordinator.control.set(share=share)
+    try:
+        resp = mesh.gateway_stub.Generate(pb.GenerateRequest(prompt="Say hello hello hello.", max_tokens=4,
+                                                             request_id=rid), timeout=120, metadata=bearer(KEY))
+    finally:
+        mesh.coordinator.control.set(reset=True)
+    assert resp.spec.arm == arm and (resp.spec.method == "off") == (arm == "control")
+    assert wait_until(lambda: gateway_span(exporter, rid) is not None, 30)
+    spans = spans_of(exporter, gateway_span(exporter, rid).context.trace_id)
+    # (the draft worker only when a round drafted: goodput may pause an unpromising drafter)
+    assert {s.attributes.get("specmesh.service") for s in spans} >= {"gateway", "coordinator", "target_worker"}
+    assert {s.name: s.attributes.get("specmesh.canary.arm") for s in spans} == {s.name: arm for s in spans}
+
+
 def test_a_client_trace_context_is_continued(traced):
     mesh, exporter = traced
     parent = tracing.provider().get_tracer("client").start_span("client-call")
