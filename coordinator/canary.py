@@ -96,7 +96,9 @@ class CanaryGuard:
         if not verdict.ready:
             return verdict
         self._baseline = now  # the next verdict looks at new requests only
-        if verdict.trip and self.control.trip(verdict.reason, seen=canary) is not None:
+        if not verdict.trip:
+            log.info("canary guard: %s", verdict.reason, extra={"fields": {"event": "canary_guard_check"}})
+        elif self.control.trip(verdict.reason, seen=canary) is not None:
             metrics.CANARY_GUARD_TRIPS.inc()
             log.warning("canary guard tripped: %s; share -> 0", verdict.reason,
                         extra={"fields": {"event": "canary_guard_trip", "reason": verdict.reason,

@@ -86,6 +86,7 @@ def response_json(resp) -> dict:
             "draft_failures": spec.draft_failures,
             "feature_bytes": spec.feature_bytes,
             "draft_feature_bytes": spec.draft_feature_bytes,
+            "arm": spec.arm,
         },
         "request_id": resp.request_id,
     }
