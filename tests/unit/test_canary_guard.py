@@ -105,3 +105,19 @@ def test_cli_merges_coordinators_and_prints_both_arms():
     assert spec[4:6] == ["30.0", "ms"]  # p50 of 16 samples in (10, 50] ms: the bucket's middle
     empty = format_table(merge_reports([]))
     assert empty[1].split() == ["spec", "0", "0", "-", "-", "-", "-", "-"]
+
+
+def test_cli_flags_become_one_request_for_every_target():
+    from specmesh.cli import parser
+
+    args = parser().parse_args(["admin", "speculation", "--share", "0.05", "--keys", "team-a,team-b",
+                                "--target", "a:1,b:2", "--target", "c:3"])
+    from specmesh.admin_cli import _targets, speculation_request
+
+    req = speculation_request(args)
+    assert _targets(args) == ["a:1", "b:2", "c:3"]
+    assert req.share == 0.05 and req.keys == "team-a,team-b" and not req.HasField("enabled")
+    show = parser().parse_args(["admin", "speculation"])
+    assert speculation_request(show) is None and _targets(show) == ["127.0.0.1:50051"]
+    clear = speculation_request(parser().parse_args(["admin", "speculation", "--keys", ""]))
+    assert clear.HasField("keys") and clear.keys == ""
