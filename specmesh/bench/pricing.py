@@ -145,11 +145,13 @@ def markdown_section(doc: dict) -> list[str]:
         return []
     prices = ", ".join(f"{t} {p:g}" for t, p in price["usd_per_instance_hour"].items())
     fleet = ", ".join(f"{n} {t}" for t, n in price["fleet"].items())
-    lines = ["", f"### Cost per million output tokens ($ per instance-hour: {prices})",
-             f"- fleet: {fleet} ({price['fleet_source']}); tiers without a price cost 0",
+    local = price.get("local_drafters") or []
+    local = f"; drafted in the coordinator, no draft tier: {', '.join(local)}" if local else ""
+    lines = ["", f"### Cost per million output tokens (USD per instance-hour: {prices})",
+             f"- fleet: {fleet} ({price['fleet_source']}){local}; a tier without a price costs 0",
              f"- {price['formula']}", "",
-             "| mode | drafter | conc (or rate) | instances draft/target/gateway/coordinator | $/hour | out tok/s "
-             "| $ per 1M out tokens | vs AR |", "|" + "---|" * 8]
+             "| mode | drafter | conc (or rate) | instances draft/target/gateway/coordinator | USD/hour | out tok/s "
+             "| USD per 1M out tokens | cost vs AR |", "|" + "---|" * 8]
     for r in doc["runs"]:
         c = r["cost"]
         used = "/".join(str(c["instances"][t]) for t in TIERS)

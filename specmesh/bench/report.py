@@ -2,7 +2,7 @@
 
 For --out DIR/NAME.json: DIR/NAME.json, DIR/NAME.md and DIR/NAME_throughput.png,
 DIR/NAME_acceptance_by_category.png (when a run has categories), DIR/NAME_latency_cdf.png,
-DIR/NAME_cost.png (with --price: $ per 1M output tokens, specmesh/bench/pricing.py).
+DIR/NAME_cost.png (with --price: USD per 1M output tokens, specmesh/bench/pricing.py).
 """
 
 from __future__ import annotations
@@ -234,7 +234,7 @@ def _plot_throughput(doc: dict, ax) -> None:
 def _plot_cost(doc: dict, ax) -> bool:
     if not doc.get("price"):
         return False
-    _plot_by_level(doc, ax, lambda r: r["cost"]["usd_per_million_output_tokens"], "$ per 1M output tokens",
+    _plot_by_level(doc, ax, lambda r: r["cost"]["usd_per_million_output_tokens"], "USD per 1M output tokens",
                    "Cost per million output tokens vs load")
     return True
 

@@ -144,7 +144,8 @@ def test_json_markdown_and_plot(tmp_path):
     report.check_schema(saved)
     assert saved["runs"][0]["cost"]["usd_per_million_output_tokens"] > 0
     md = (tmp_path / "b.md").read_text()
-    assert "### Cost per million output tokens ($ per instance-hour: draft 0.9, target 3.5)" in md
+    assert "### Cost per million output tokens (USD per instance-hour: draft 0.9, target 3.5)" in md
+    assert "drafted in the coordinator, no draft tier: ngram" in md
     assert "| spec | draft_model | 1 | 1/1/1/1 | 4.40 | 20.00 | 61.11 | 0.63x |" in md
     assert "| ar | - | 1 | 0/1/1/1 | 3.50 | 10.00 | 97.22 | 1.00x |" in md
     assert "| hf_generate | - | 1 | 0/1/0/0 | 3.50 | 12.00 | 81.02 |" in md
