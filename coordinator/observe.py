@@ -57,6 +57,7 @@ class RequestTelemetry:
         if stats.draft_failures:
             metrics.DRAFT_FAILURES.labels(arm).inc(stats.draft_failures)
         enabled = None if self.control is None else self.control.state.enabled
+        metrics.observe_chosen_k(gen.method, stats.chosen_k)
         tracing.set_attributes({
             **genai.response_attributes(prompt, completion, gen.out.finish_reason, gen.req.request_id),
             **genai.spec_attributes(gen.method, stats.rounds, stats.drafted_tokens, stats.accepted_tokens,

@@ -30,7 +30,11 @@ class RoundPolicy:
         policy = self._policy(method)
         if policy is None:
             return max(0, min(fixed_k, limit))
-        others = max(0.0, self.cost.mean_batch - 1)  # the forward's other sequences
+        # the forward's other sequences: the target's live ones, not only its recent mean batch.
+        # Speculation itself pulls sequences out of step (each waits for its own draft), which
+        # shrinks the mean batch, which made drafting look cheap: a self-fulfilling loss (the pair
+        # at concurrency 4, docs/pair.md). The live count is the batch a plain step would share.
+        others = max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
         draft_s = self.draft_s.get(method, 0.0)  # a drafting round also waits for its draft
         per_token = method in AUTOREGRESSIVE_DRAFTERS
 

@@ -44,7 +44,7 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
                                               timeout=context.time_remaining(), features=features,
                                               max_new_tokens=max(0, request.max_new_tokens))
         return pb.PrefillResponse(token_id=out.token, features=features_to_pb(out.features),
-                                  verify_cost=cost_to_pb(self.engine.cost.as_dict()))
+                                  verify_cost=cost_to_pb(self._cost()))
 
     def Verify(self, request, context):
         draft = proposal_from_pb(request.draft_token_ids, request.draft_probs, request.vocab_size,
@@ -58,7 +58,11 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
         return pb.VerifyResponse(accepted=out.accepted, token_ids=out.tokens, bonus=out.bonus,
                                  cache_length=self.engine.cache_length(request.seq_id),
                                  features=features_to_pb(out.features),
-                                 verify_cost=cost_to_pb(self.engine.cost.as_dict()))
+                                 verify_cost=cost_to_pb(self._cost()))
+
+    def _cost(self) -> dict:
+        """The verify cost model as sent: the table, the mean batch and the live sequences now."""
+        return {**self.engine.cost.as_dict(), "live": self.engine.live_sequences()}
 
     def _slot(self, context):
         return self.admission.slot(deadline_from(context)) if self.admission is not None else contextlib.nullcontext()
@@ -73,7 +77,7 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
             queue_length=self.engine.batcher.qsize(),
             model=self.model_name,
             vocab_size=self.engine.vocab_size,
-            verify_cost=cost_to_pb(self.engine.cost.as_dict()),
+            verify_cost=cost_to_pb(self._cost()),
         )
 
 

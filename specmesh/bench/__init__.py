@@ -4,6 +4,7 @@ microbenchmark of the target's verify forward (--micro).
     specmesh bench --dataset mt-bench --concurrency 1,4,16,64 --compare --out results/bench.json
     specmesh bench --target host:port --dataset sharegpt --request-rate 0.5,1,2 --out r.json
     specmesh bench --micro --out results/micro.json
+    specmesh bench --compare --price draft=0.9,target=3.5   # + $ per 1M output tokens (bench/pricing.py)
 
 Modules: datasets (prompt sets), metrics (pure math), runner (gRPC clients), peers (HF
 in-process), compare (cross-run results), report (JSON/markdown/plots), micro, suite (the run).
@@ -13,6 +14,16 @@ This module only defines the command line, so `specmesh --help` stays light.
 from __future__ import annotations
 
 import argparse
+import sys
+
+
+def _prices(text: str) -> dict[str, float]:
+    from specmesh.bench.pricing import parse_prices
+
+    try:
+        return parse_prices(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
 def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
@@ -48,6 +59,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                                                           "small shared machine 1 avoids oversubscription)")
     p.add_argument("--timeout", type=float, default=600.0, help="per-request deadline (s)")
     p.add_argument("--out", default="bench.json", help="result JSON; .md and plots are written beside it")
+    p.add_argument("--price", type=_prices, metavar="TIER=USD,...",
+                   help="$ per instance-hour per tier (draft, target, gateway, coordinator), e.g. "
+                        "draft=0.9,target=3.5: adds $ per 1M output tokens per mode and level")
     p.add_argument("--no-plots", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--log-dir", help="local stack: service logs here (default: a temporary directory)")
@@ -68,6 +82,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
 
 
 def run(args: argparse.Namespace) -> int:
+    if getattr(args, "price", None) and (args.micro or args.context):
+        print("specmesh bench: --price prices a serving run; not with --micro or --context", file=sys.stderr)
+        return 2
     if args.micro:
         from specmesh.bench.micro import main as micro_main
 

@@ -1,7 +1,8 @@
 """The benchmark's outputs: JSON (with a schema check), a markdown report, PNG plots.
 
 For --out DIR/NAME.json: DIR/NAME.json, DIR/NAME.md and DIR/NAME_throughput.png,
-DIR/NAME_acceptance_by_category.png (when a run has categories), DIR/NAME_latency_cdf.png.
+DIR/NAME_acceptance_by_category.png (when a run has categories), DIR/NAME_latency_cdf.png,
+DIR/NAME_cost.png (with --price: USD per 1M output tokens, specmesh/bench/pricing.py).
 """
 
 from __future__ import annotations
@@ -9,6 +10,8 @@ from __future__ import annotations
 import json
 import numbers
 from pathlib import Path
+
+from specmesh.bench import pricing
 
 MODES = ("spec", "ar", "hf_generate", "hf_prompt_lookup", "hf_assisted")
 LATENCIES = ("ttft_ms", "tpot_ms", "itl_ms", "e2e_ms")
@@ -60,7 +63,7 @@ def schema_errors(doc) -> list[str]:
         errs.append("machine: needs cpu, cores, torch, date")
     if not isinstance(doc.get("command"), str) or not doc.get("command"):
         errs.append("command: missing")
-    return errs
+    return errs + pricing.cost_errors(doc)
 
 
 def check_schema(doc) -> None:
@@ -184,7 +187,8 @@ def to_markdown(doc: dict) -> str:
     wall = f"; the whole run took {doc['wall_s'] / 60:.1f} min" if doc.get("wall_s") else ""
     lines = [title, "", f"`{doc.get('command')}`", "",
              f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}, {m.get('date')}{setting}{wall}", ""]
-    lines += runs_table(doc) + acceptance_section(doc) + category_section(doc) + cost_section(doc) + summary_section(doc)
+    lines += runs_table(doc) + pricing.markdown_section(doc) + acceptance_section(doc) + category_section(doc) \
+        + cost_section(doc) + summary_section(doc)
     return "\n".join(lines) + "\n"
 
 
@@ -202,11 +206,13 @@ def write_all(doc: dict, out: str | Path, plots: bool = True) -> list[Path]:
     return written
 
 
-def _plot_throughput(doc: dict, ax) -> None:
+def _plot_by_level(doc: dict, ax, value, ylabel: str, title: str) -> None:
+    """One line per mode: value(run) against the run's level (runs whose value is None left out)."""
     series: dict[str, list[tuple[float, float]]] = {}
     for r in doc["runs"]:
-        series.setdefault(_label(r), []).append((r["request_rate"] if r.get("request_rate") is not None
-                                                 else r["concurrency"], r["output_tokens_per_s"]))
+        if value(r) is not None:
+            series.setdefault(_label(r), []).append((r["request_rate"] if r.get("request_rate") is not None
+                                                     else r["concurrency"], value(r)))
     for label, pts in series.items():
         pts.sort()
         ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=label)
@@ -216,9 +222,21 @@ def _plot_throughput(doc: dict, ax) -> None:
     ax.set_xticks(levels, [f"{x:g}" for x in levels])
     ax.minorticks_off()
     ax.set_xlabel("request rate (req/s)" if open_loop else "concurrency (peers: batch 1)")
-    ax.set_ylabel("output tokens/s")
-    ax.set_title("Throughput vs load")
+    ax.set_ylabel(ylabel)
+    ax.set_title(title)
     ax.legend(fontsize="small")
+
+
+def _plot_throughput(doc: dict, ax) -> None:
+    _plot_by_level(doc, ax, lambda r: r["output_tokens_per_s"], "output tokens/s", "Throughput vs load")
+
+
+def _plot_cost(doc: dict, ax) -> bool:
+    if not doc.get("price"):
+        return False
+    _plot_by_level(doc, ax, lambda r: r["cost"]["usd_per_million_output_tokens"], "USD per 1M output tokens",
+                   "Cost per million output tokens vs load")
+    return True
 
 
 def _plot_categories(doc: dict, ax) -> bool:
@@ -259,7 +277,7 @@ def write_plots(doc: dict, out: Path) -> list[Path]:
 
     written = []
     for suffix, draw in (("throughput", _plot_throughput), ("acceptance_by_category", _plot_categories),
-                         ("latency_cdf", _plot_cdf)):
+                         ("latency_cdf", _plot_cdf), ("cost", _plot_cost)):
         fig, ax = plt.subplots(figsize=(7, 4.5))
         if draw(doc, ax) is not False:
             fig.tight_layout()

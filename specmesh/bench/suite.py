@@ -347,6 +347,10 @@ def main(args) -> int:
     result["target_cost"] = cost
     result["wall_s"] = round(time.monotonic() - started, 1)
     result["mesh_config"] = mesh_settings(cfg)
+    if getattr(args, "price", None):
+        from specmesh.bench.pricing import add_costs, fleet_of
+
+        add_costs(result, args.price, *fleet_of(args, cfg))
     report.write_all(result, args.out, plots=not args.no_plots)
     print(report.to_markdown(result))
     return 0

@@ -11,7 +11,8 @@ interpolation (beyond the last bucket: linear extrapolation from the last two).
 
 What the coordinator needs for the goodput rule (core/goodput.py) is the time of the forward
 that verifies a request's q positions beside B - 1 other sequences' rows: estimate(B - 1 + q),
-with B the worker's recent mean batch (mean_batch).
+with B the larger of the worker's live sequences (live, sent with the table) and its recent mean
+batch (mean_batch).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class VerifyCost:
         self._lock = threading.Lock()
         self.table: dict[int, float] = dict(sorted((seconds or {}).items()))
         self.mean_batch = 1.0
+        self.live = 0  # sequences the worker holds (set by the worker when it sends the table)
 
     def observe(self, rows: int, seconds: float, batch: int = 1) -> None:
         """Fold in one forward of `rows` packed rows over `batch` sequences."""
@@ -71,10 +73,12 @@ class VerifyCost:
 
     def as_dict(self) -> dict:
         with self._lock:
-            return {"rows": list(self.table), "seconds": list(self.table.values()), "mean_batch": self.mean_batch}
+            return {"rows": list(self.table), "seconds": list(self.table.values()), "mean_batch": self.mean_batch,
+                    "live": self.live}
 
     @classmethod
     def from_dict(cls, data: dict) -> VerifyCost:
         cost = cls(dict(zip((int(r) for r in data.get("rows", ())), (float(s) for s in data.get("seconds", ())))))
         cost.mean_batch = float(data.get("mean_batch", 1.0))
+        cost.live = int(data.get("live", 0))
         return cost

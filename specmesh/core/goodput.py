@@ -10,7 +10,8 @@ in the time of the forward that verifies its k + 1 positions. Alone (batch 1) ch
 0..k_max maximising E(k) / T(k + 1). In a batch the forward is shared: B - 1 other sequences
 emit about a token each in it and wait for it too, so the rule counts the whole forward,
 
-    (B - 1 + E(k)) / T(B - 1 + k + 1)     (T by packed rows, B the target's recent mean batch)
+    (B - 1 + E(k)) / T(B - 1 + k + 1)     (T by packed rows; B the larger of the target's live
+                                          sequences and its recent mean batch)
 
 which is E(k) / T(k + 1) at B = 1; at B = 16 a draft must pay for everyone's longer step. k = 0
 is a candidate, so speculation switches itself off where it cannot pay (a loaded target, text

@@ -150,11 +150,13 @@ def cost_to_pb(cost: dict | None) -> pb.VerifyCostTable | None:
     """A VerifyCost.as_dict() -> VerifyCostTable (None -> None)."""
     if cost is None:
         return None
-    return pb.VerifyCostTable(rows=cost["rows"], seconds=cost["seconds"], mean_batch=cost["mean_batch"])
+    return pb.VerifyCostTable(rows=cost["rows"], seconds=cost["seconds"], mean_batch=cost["mean_batch"],
+                              live=int(cost.get("live", 0)))
 
 
 def cost_from_pb(msg: pb.VerifyCostTable) -> dict | None:
     """Inverse of cost_to_pb; None for an empty table (a worker that sent none)."""
     if not msg.rows or len(msg.rows) != len(msg.seconds):
         return None
-    return {"rows": list(msg.rows), "seconds": list(msg.seconds), "mean_batch": msg.mean_batch or 1.0}
+    return {"rows": list(msg.rows), "seconds": list(msg.seconds), "mean_batch": msg.mean_batch or 1.0,
+            "live": msg.live}

@@ -1,4 +1,5 @@
-"""Server start-up shared by the four services: interceptors, health, TLS, metrics, shutdown.
+"""Server start-up shared by the four services: interceptors, health, reflection, TLS, metrics,
+shutdown.
 
 Every server runs the telemetry interceptor (span, request context, metrics, access log) around
 the one typed-error mapping (specmesh.rpc.errors). Channels between services carry the trace
@@ -18,6 +19,7 @@ from typing import Callable
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
+from specmesh.rpc import reflection
 from specmesh.rpc.client_tls import read_pem
 from specmesh.telemetry import metrics, tracing
 from specmesh.telemetry.interceptors import ClientInterceptor, ServerInterceptor
@@ -103,7 +105,8 @@ def service_options(cfg, role: str) -> dict:
 
 
 class Service:
-    """A started gRPC server with its health servicer; stop() drains with a grace period.
+    """A started gRPC server with its health and reflection servicers; stop() drains with a grace
+    period. `services`: the full names it serves (what reflection lists).
 
     credentials: MESH (default: mesh mTLS if configured), None (plaintext) or ServerCredentials.
     public: the interceptor trusts no x-specmesh-* metadata from callers (the gateway's port).
@@ -124,9 +127,12 @@ class Service:
             # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
             options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)],
         )
-        register(self.server)
+        recorder = reflection.ServiceRecorder(self.server)
+        register(recorder)
         self.health = health.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self.health, self.server)
+        # reflection (grpcurl list / describe) on the same port: it inherits the port's TLS / mTLS
+        self.services = reflection.enable(self.server, recorder.names)
         if credentials == MESH:
             credentials = _mesh_tls.server if _mesh_tls is not None else None
         self.tls = credentials is not None

@@ -14,6 +14,7 @@ log = logging.getLogger(__name__)
 
 _LATENCY = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120)
 _ACCEPT = tuple(float(i) for i in range(1, 18))
+_K = tuple(float(i) for i in range(0, 17))
 
 # ---- every service (the server interceptor)
 RPC_REQUESTS = Counter("specmesh_rpc_requests", "RPCs handled, by final status code",
@@ -75,6 +76,19 @@ KV_USAGE = Gauge("specmesh_kv_cache_usage_ratio", "KV pool slots owned by live s
 KV_RESERVED = Gauge("specmesh_kv_cache_reserved_tokens", "KV pool slots owned by live sequences (held + headroom)")
 KV_POOL_BYTES = Gauge("specmesh_kv_cache_pool_bytes", "bytes of the KV pool allocated at start")
 KV_RELOCATIONS = Gauge("specmesh_kv_cache_relocations", "sequences moved to a larger pool range (outgrew their reservation)")
+
+
+# ---- coordinator: the k each round chose
+CHOSEN_K = Histogram("specmesh_chosen_k", "k chosen for a round (0: the target alone), observed per request "
+                     "at its end", ["method"], buckets=_K)
+
+
+def observe_chosen_k(method: str, chosen_k: dict[int, int]) -> None:
+    """A finished request's rounds: {k: rounds that chose k}."""
+    hist = CHOSEN_K.labels(method)
+    for k, rounds in chosen_k.items():
+        for _ in range(rounds):
+            hist.observe(k)
 
 
 def serve(host: str, port: int, service: str) -> int | None:

@@ -1,6 +1,6 @@
 """`specmesh bench` end to end: the bench starts its own mesh (four OS processes on free ports),
-runs 2 MT-Bench prompts at concurrency 1 and 2 with --compare (spec, AR, HF peers), and writes a
-result that passes the schema check. Small on purpose (16 tokens): a few minutes on 2 cores.
+runs 2 MT-Bench prompts at concurrency 1 and 2 with --compare (spec, AR, HF peers) and --price,
+and writes a result that passes the schema check. Small on purpose (16 tokens): a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ def bench_run(tmp_path_factory, e2e):
     out = tmp / "res" / "bench.json"
     proc = e2e.run_cli("bench", "--config", str(config), "--dataset", "mt-bench", "--limit", "2",
                        "--concurrency", "1,2", "--compare", "--max-tokens", "16", "--threads", "1",
+                       "--price", "draft=0.9,target=3.5",
                        "--no-progress", "--log-dir", str(tmp / "logs"), "--out", str(out), timeout=900)
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in (tmp / "logs").glob("*.log"))
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}\n{logs}"
@@ -47,6 +48,18 @@ def test_bench_writes_a_valid_result(bench_run):
         assert r["output_tokens_per_s"] > 0
     assert doc["mismatch_checked"] and doc["mismatches"] == 0, doc["mismatch_details"]
     assert doc["command"].startswith("specmesh bench")
-    for suffix in (".md", "_throughput.png", "_acceptance_by_category.png", "_latency_cdf.png"):
+    for suffix in (".md", "_throughput.png", "_acceptance_by_category.png", "_latency_cdf.png", "_cost.png"):
         assert out.with_name(out.stem + suffix).is_file(), suffix
     assert "| mode | drafter | conc" in proc.stdout
+
+
+def test_price_adds_dollars_per_million_tokens(bench_run):
+    proc, out = bench_run
+    doc = json.loads(out.read_text())
+    # the default config drafts n-gram in the coordinator: no draft worker to pay for
+    assert doc["price"]["fleet"] == {"draft": 1, "target": 1, "gateway": 1, "coordinator": 1}
+    for r in doc["runs"]:
+        c = r["cost"]
+        assert c["usd_per_hour"] == pytest.approx(3.5) and c["instances"]["draft"] == 0  # one target instance
+        assert c["usd_per_million_output_tokens"] == pytest.approx(3.5 / (r["output_tokens_per_s"] * 3600) * 1e6)
+    assert "### Cost per million output tokens" in proc.stdout

@@ -1,10 +1,12 @@
 """compose/: the docker-compose files parsed with PyYAML and checked against the code they run
 (no Docker engine needed): services, images/builds, commands, env var names, ports, health checks,
-restart policies, the collector config and the GPU override."""
+restart policies, the collector config, Prometheus' scrape targets, Grafana's provisioning and the
+GPU override. The dashboard's queries: tests/unit/test_dashboard.py."""
 
 from __future__ import annotations
 
 import importlib.util
+import json
 import socket
 import tomllib
 from pathlib import Path
@@ -18,6 +20,9 @@ from specmesh.envvars import ENV_VARS, known
 REPO = Path(__file__).resolve().parents[2]
 COMPOSE = REPO / "compose"
 SPECMESH_SERVICES = {"gateway": 50051, "coordinator": 50052, "draft-worker": 50053, "target-worker": 50054}
+ROLES = {"gateway": "gateway", "coordinator": "coordinator", "draft-worker": "draft_worker",
+         "target-worker": "target_worker"}
+OBSERVABILITY = {"prometheus": "9090:9090", "grafana": "3000:3000"}
 MODULES = {"gateway": "gateway.server", "coordinator": "coordinator.server", "draft-worker": "draft_worker.server",
            "target-worker": "target_worker.server"}
 
@@ -37,7 +42,7 @@ def console_scripts() -> dict:
 
 
 def test_every_service_is_there(stack):
-    assert set(stack["services"]) >= {"redis", "otel-collector", "jaeger", *SPECMESH_SERVICES}
+    assert set(stack["services"]) >= {"redis", "otel-collector", "jaeger", *OBSERVABILITY, *SPECMESH_SERVICES}
 
 
 def test_specmesh_services_build_the_repo_image(stack):
@@ -47,7 +52,7 @@ def test_specmesh_services_build_the_repo_image(stack):
         build = svc["build"]
         assert (COMPOSE / build["context"]).resolve() == REPO
         assert (REPO / build["dockerfile"]).is_file()
-    for name in ("redis", "otel-collector", "jaeger"):
+    for name in ("redis", "otel-collector", "jaeger", *OBSERVABILITY):
         image = stack["services"][name]["image"]
         assert ":" in image and not image.endswith(":latest"), f"{name}: pin the image tag"
 
@@ -90,7 +95,7 @@ def test_restart_policies(stack):
         assert svc.get("restart") in ("unless-stopped", "always", "on-failure"), name
 
 
-def test_only_the_gateway_and_jaeger_publish_host_ports(stack):
+def test_only_the_gateway_and_the_uis_publish_host_ports(stack):
     # workers have no fixed host port, so `--scale draft-worker=3 --scale target-worker=2` works
     for name in ("draft-worker", "target-worker", "coordinator"):
         svc = stack["services"][name]
@@ -99,6 +104,67 @@ def test_only_the_gateway_and_jaeger_publish_host_ports(stack):
         assert "container_name" not in svc and "hostname" not in svc
     assert stack["services"]["gateway"]["ports"] == ["50051:50051"]
     assert any(p.startswith("16686:") for p in stack["services"]["jaeger"]["ports"])
+    for name, mapping in OBSERVABILITY.items():
+        assert stack["services"][name]["ports"] == [mapping]
+
+
+def mounts(svc: dict) -> dict[str, Path]:
+    """container path -> host path of a service's bind mounts (relative to compose/)."""
+    out = {}
+    for volume in svc.get("volumes", []):
+        src, dest = volume.split(":")[:2]
+        out[dest] = (COMPOSE / src).resolve()
+    return out
+
+
+def scrape_jobs() -> dict[str, tuple[list[str], int]]:
+    cfg = yaml.safe_load((COMPOSE / "prometheus.yml").read_text())
+    jobs = {}
+    for job in cfg["scrape_configs"]:
+        for sd in job.get("dns_sd_configs", []):
+            assert sd["type"] == "A"
+            jobs[job["job_name"]] = (sd["names"], sd["port"])
+    return jobs
+
+
+def test_prometheus_scrapes_every_service_on_its_metrics_port(stack):
+    prom = stack["services"]["prometheus"]
+    config_path = next(a.split("=", 1)[1] for a in prom["command"] if a.startswith("--config.file="))
+    assert mounts(prom)[config_path] == (COMPOSE / "prometheus.yml").resolve()
+    jobs = scrape_jobs()
+    for name, role in ROLES.items():
+        env = {k: str(v) for k, v in stack["services"][name]["environment"].items()}
+        cfg = load_config(environ=env)
+        port = getattr(cfg.metrics, f"{role}_port")
+        assert cfg.metrics.host == "0.0.0.0" and port > 0, f"{name}: /metrics off or on loopback only"
+        assert port != SPECMESH_SERVICES[name]
+        # the job named after the service scrapes every replica (Docker DNS) on the port it serves
+        assert jobs[name] == ([name], port), f"{name}: prometheus.yml scrapes {jobs.get(name)}, the service serves {port}"
+        assert str(port) in [str(p).split()[0] for p in stack["services"][name]["expose"]]
+    for job, (names, _) in jobs.items():
+        assert all(n in stack["services"] for n in names), f"job {job} scrapes unknown services {names}"
+    assert set(jobs) == set(ROLES)
+
+
+def test_grafana_provisions_prometheus_and_the_dashboard(stack):
+    grafana = stack["services"]["grafana"]
+    m = mounts(grafana)
+    provisioning = m["/etc/grafana/provisioning"]
+    (source,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())["datasources"]
+    host, port = source["url"].removeprefix("http://").split(":")
+    assert host == "prometheus" and f"{port}:{port}" in stack["services"]["prometheus"]["ports"]
+    assert source["type"] == "prometheus" and source["uid"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "specmesh.yml").read_text())["providers"]
+    dashboards = m[provider["options"]["path"]]
+    assert (dashboards / "specmesh.json").is_file()
+    home = grafana["environment"]["GF_DASHBOARDS_DEFAULT_HOME_DASHBOARD_PATH"]
+    assert (m[str(Path(home).parent)] / Path(home).name).is_file()
+    assert "prometheus" in grafana["depends_on"]
+    dashboard = json.loads((dashboards / "specmesh.json").read_text())
+    panels = [p for p in dashboard["panels"] if p["type"] != "row"]
+    for p in panels:  # every panel and query uses the provisioned datasource
+        assert p["datasource"]["uid"] == source["uid"], p["title"]
+        assert all(t["datasource"]["uid"] == source["uid"] for t in p["targets"]), p["title"]
 
 
 def test_env_names_are_read_by_the_code(stack):

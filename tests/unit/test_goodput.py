@@ -198,3 +198,37 @@ def test_a_draft_model_waits_per_drafted_token_and_is_seeded_to_draft():
         rp.policies.clear()
         chosen[method] = rp.k(method, 8, limit=50)
     assert 1 <= chosen["draft_model"] < chosen["block"], chosen
+
+
+def test_live_sequences_count_as_the_batch_even_when_speculation_split_it():
+    """The pair at concurrency 4 (docs/pair.md): speculation pulled the four sequences out of step,
+    the target's mean batch fell to 1.0, and at batch 1 drafting looks worth it, so it kept
+    drafting: a self-fulfilling loss. The live count (4) is the batch a plain step would share, and
+    beside it a drafted chain that waits for its draft no longer pays; a draft already made
+    (a pre-draft hit) still does. Costs: the run's measured table (ms by rows)."""
+    from coordinator.roundpolicy import RoundPolicy
+    from specmesh.core.types import DraftProposal
+
+    table = {"rows": [1, 2, 3, 5, 9, 17], "seconds": [0.411, 0.508, 0.694, 0.768, 0.983, 2.52]}
+    chain = DraftProposal([1, 2, 3, 4], None)
+    picks = {}
+    for live in (1, 4):
+        rp = RoundPolicy(k_max=8, rate_book=RateBook())
+        rp.take_cost({**table, "mean_batch": 1.0, "live": live})
+        for _ in range(10):  # the run's rates (~0.87 / 0.78 / 0.72 / 0.65), 0.14 s per drafted token
+            rp.learn("draft_model", chain, accepted=3, draft_s=4 * 0.14)
+        rp.policies.clear()
+        picks[live] = (rp.k("draft_model", 8, limit=50), rp.k("draft_model", 8, limit=50, ready=8))
+    assert picks[1][0] > 0 and picks[1][1] > 0  # alone: draft, and a ready pre-draft even more so
+    assert picks[4][0] == 0  # beside 3 live others: waiting for a draft does not pay
+    assert picks[4][1] > 0  # a ready pre-draft costs no wait: its rows still pay
+
+
+def test_the_live_count_travels_with_the_cost_table():
+    from specmesh.core.costmodel import VerifyCost
+    from specmesh.rpc.convert import cost_from_pb, cost_to_pb
+
+    sent = {"rows": [1, 5], "seconds": [0.1, 0.12], "mean_batch": 1.5, "live": 7}
+    got = cost_from_pb(cost_to_pb(sent))
+    assert got["live"] == 7 and VerifyCost.from_dict(got).live == 7
+    assert VerifyCost.from_dict({"rows": [1], "seconds": [0.1]}).live == 0  # an older worker: unknown

@@ -55,6 +55,18 @@ def test_observe_round_counts_tokens_and_positions():
     assert val("specmesh_accepted_per_position_total", {"method": "unit", "position": "2", "arm": "spec"}) == 0
 
 
+def test_observe_chosen_k_counts_rounds_per_k():
+    def val(name, labels):
+        return REGISTRY.get_sample_value(name, labels) or 0.0
+
+    count, total = val("specmesh_chosen_k_count", {"method": "unitk"}), val("specmesh_chosen_k_sum", {"method": "unitk"})
+    metrics.observe_chosen_k("unitk", {0: 2, 3: 1, 5: 4})
+    assert val("specmesh_chosen_k_count", {"method": "unitk"}) - count == 7
+    assert val("specmesh_chosen_k_sum", {"method": "unitk"}) - total == 3 + 20
+    assert val("specmesh_chosen_k_bucket", {"method": "unitk", "le": "0.0"}) == 2
+    assert val("specmesh_chosen_k_bucket", {"method": "unitk", "le": "4.0"}) == 3
+
+
 def test_serve_off_and_on_a_free_port():
     assert metrics.serve("127.0.0.1", 0, "unit") is None
     port = metrics.serve("127.0.0.1", -1, "unit")
