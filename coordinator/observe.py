@@ -57,14 +57,15 @@ class RequestTelemetry:
         if stats.draft_failures:
             metrics.DRAFT_FAILURES.labels(arm).inc(stats.draft_failures)
         enabled = None if self.control is None else self.control.state.enabled
-        metrics.observe_chosen_k(gen.method, stats.chosen_k)
+        metrics.observe_chosen_k(gen.method, stats.chosen_k, arm)
         tracing.set_attributes({
             **genai.response_attributes(prompt, completion, gen.out.finish_reason, gen.req.request_id),
             **genai.spec_attributes(gen.method, stats.rounds, stats.drafted_tokens, stats.accepted_tokens,
                                     stats.mean_acceptance_length, stats.draft_failures, enabled, gen.k, arm)})
         if info is not None:
             info.update(arm=arm, prompt_tokens=prompt, completion_tokens=completion,
-                        finish_reason=gen.out.finish_reason, ttft_ms=None if gen.ttft_s is None else round(gen.ttft_s * 1000, 2),
+                        finish_reason=gen.out.finish_reason,
+                        ttft_ms=None if gen.ttft_s is None else round(gen.ttft_s * 1000, 2),
                         drafter=gen.method, rounds=stats.rounds, drafted_tokens=stats.drafted_tokens,
                         accepted_tokens=stats.accepted_tokens,
                         acceptance_length=round(stats.mean_acceptance_length, 3))

@@ -80,12 +80,12 @@ KV_RELOCATIONS = Gauge("specmesh_kv_cache_relocations", "sequences moved to a la
 
 # ---- coordinator: the k each round chose
 CHOSEN_K = Histogram("specmesh_chosen_k", "k chosen for a round (0: the target alone), observed per request "
-                     "at its end", ["method"], buckets=_K)
+                     "at its end", ["method", "arm"], buckets=_K)
 
 
-def observe_chosen_k(method: str, chosen_k: dict[int, int]) -> None:
+def observe_chosen_k(method: str, chosen_k: dict[int, int], arm: str = "spec") -> None:
     """A finished request's rounds: {k: rounds that chose k}."""
-    hist = CHOSEN_K.labels(method)
+    hist = CHOSEN_K.labels(method, arm)
     for k, rounds in chosen_k.items():
         for _ in range(rounds):
             hist.observe(k)

@@ -59,12 +59,13 @@ def test_observe_chosen_k_counts_rounds_per_k():
     def val(name, labels):
         return REGISTRY.get_sample_value(name, labels) or 0.0
 
-    count, total = val("specmesh_chosen_k_count", {"method": "unitk"}), val("specmesh_chosen_k_sum", {"method": "unitk"})
+    labels = {"method": "unitk", "arm": "spec"}
+    count, total = val("specmesh_chosen_k_count", labels), val("specmesh_chosen_k_sum", labels)
     metrics.observe_chosen_k("unitk", {0: 2, 3: 1, 5: 4})
-    assert val("specmesh_chosen_k_count", {"method": "unitk"}) - count == 7
-    assert val("specmesh_chosen_k_sum", {"method": "unitk"}) - total == 3 + 20
-    assert val("specmesh_chosen_k_bucket", {"method": "unitk", "le": "0.0"}) == 2
-    assert val("specmesh_chosen_k_bucket", {"method": "unitk", "le": "4.0"}) == 3
+    assert val("specmesh_chosen_k_count", {"method": "unitk", "arm": "spec"}) - count == 7
+    assert val("specmesh_chosen_k_sum", {"method": "unitk", "arm": "spec"}) - total == 3 + 20
+    assert val("specmesh_chosen_k_bucket", {"method": "unitk", "arm": "spec", "le": "0.0"}) == 2
+    assert val("specmesh_chosen_k_bucket", {"method": "unitk", "arm": "spec", "le": "4.0"}) == 3
 
 
 def test_serve_off_and_on_a_free_port():
