@@ -16,7 +16,6 @@ from specmesh.telemetry.promql import dashboard_queries, exposed_series, queried
 DASHBOARD = Path(__file__).resolve().parents[2] / "compose" / "grafana" / "dashboards" / "specmesh.json"
 FROM_PROMETHEUS = {"up"}  # series Prometheus writes itself
 TARGET_LABELS = {"job", "instance"}  # labels Prometheus adds to every scraped series
-PENDING_LABELS = {"arm"}  # the speculation canary's label on the coordinator's request metrics
 # what an operator needs to see, by the series that show it
 REQUIRED = {
     "tokens/s": "specmesh_completion_tokens_total", "TTFT": "specmesh_ttft_seconds_bucket",
@@ -96,7 +95,7 @@ def test_every_queried_series_is_declared_with_the_labels_it_matches():
         if name in FROM_PROMETHEUS:
             continue
         assert name in declared, f"{name}: queried by the dashboard, declared by no service"
-        unknown = labels - declared[name] - TARGET_LABELS - PENDING_LABELS
+        unknown = labels - declared[name] - TARGET_LABELS
         assert not unknown, f"{name}: matches on labels it does not carry: {sorted(unknown)}"
 
 
