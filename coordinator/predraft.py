@@ -18,6 +18,7 @@ has a draft at no wait, so a drafter that fits the text is measured and used aga
 
 from __future__ import annotations
 
+import contextvars
 import time
 from concurrent.futures import Executor, Future
 from typing import Callable
@@ -39,7 +40,9 @@ class Predrafter:
         """Draft n tokens after `base` for round `round_` (replaces any pre-draft still pending)."""
         self.drop()
         base, calls = list(base), []
-        self._pending = (base, self._executor.submit(self._propose, base, n, round_, calls), calls)
+        # in the request's context (trace parent, request id, canary arm), like its other calls
+        run = contextvars.copy_context().run
+        self._pending = (base, self._executor.submit(run, self._propose, base, n, round_, calls), calls)
 
     def ready(self, context: list[int]) -> int:
         """Draft tokens a finished pre-draft holds past `context` now (0: none, in flight, or a miss);
