@@ -23,6 +23,7 @@ from specmesh.config_ops import (  # noqa: E402  (sections of the production gat
     AuthConfig,
     BackpressureConfig,
     HealthConfig,
+    HttpConfig,
     LoggingConfig,
     MeshTlsConfig,
     MetricsConfig,
@@ -313,6 +314,7 @@ class MeshConfig:
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:
