@@ -282,3 +282,38 @@ def test_disconnect_mid_stream_frees_the_kv_and_a_full_gateway_is_503(h):
                                   for x in access_lines(h, request_id)), 10)
     hop = [x for x in access_lines(h, request_id) if x.get("rpc") == "specmesh.v1.Coordinator/GenerateStream"]
     assert hop[0]["status"] == "CANCELLED" and hop[0].get("completion_tokens", 0) < 500
+
+
+def test_a_client_that_gives_up_on_a_completion_cancels_it(h):
+    c = openai.OpenAI(base_url=h.url, api_key=h.key, max_retries=0, timeout=2.0)
+    with pytest.raises(openai.APITimeoutError):  # the client closes the connection after 2 s
+        c.completions.create(model=MODEL, prompt=COUNTING, max_tokens=499, temperature=0)
+    assert wait_until(lambda: live_sequences(h.mesh) == 0, 15), "the target still holds the sequence"
+
+    def gave_up():
+        lines = [json.loads(x) for x in h.log.getvalue().splitlines() if x.startswith("{")]
+        return [x for x in lines if x.get("event") == "http" and x.get("max_tokens") == 499]
+
+    assert wait_until(lambda: gave_up(), 10)
+    assert gave_up()[0]["status"] == "CANCELLED" and gave_up()[0].get("completion_tokens") is None
+
+
+def test_https_with_the_public_certificate_and_client_certificates(h, tmp_path):
+    from gateway.http.serve import HttpFront
+    from prod_pki import make_pki
+    from specmesh.config_ops import PublicTlsConfig, TlsConfig
+
+    pki = make_pki(tmp_path)
+    public = PublicTlsConfig(cert_file=str(pki.server_cert), key_file=str(pki.server_key),
+                             client_ca_file=str(pki.ca))
+    front = HttpFront(h.mesh.cfg.replace(tls=TlsConfig(public=public)), h.mesh.gateway, "127.0.0.1:0").start()
+    try:
+        assert front.url.startswith("https://")
+        auth = ["-H", f"Authorization: Bearer {h.key}", "--cacert", str(pki.ca)]
+        ok = curl(*auth, "--cert", str(pki.client_cert), "--key", str(pki.client_key), f"{front.url}/models")
+        assert json.loads(ok.stdout)["data"][0]["id"] == MODEL
+        assert curl(*auth, f"{front.url}/models").returncode != 0  # no client certificate: no TLS session
+        assert curl(*auth, "--cert", str(pki.rogue_cert), "--key", str(pki.rogue_key),
+                    f"{front.url}/models").returncode != 0
+    finally:
+        front.stop(0.5)
