@@ -45,6 +45,8 @@ def _cmd_up(args) -> int:
         print(f"specmesh up: {exc}", file=sys.stderr)
         return 1
     print(f"specmesh: mesh up; gateway at {', '.join(mesh.gateways)} (Ctrl-C to stop)", file=sys.stderr)
+    if mesh.http_urls:
+        print(f"specmesh: OpenAI-compatible HTTP at {', '.join(mesh.http_urls)}", file=sys.stderr)
     return mesh.run_until_signal()
 
 

@@ -24,6 +24,7 @@ from specmesh.config_ops import (  # noqa: E402  (sections of the production gat
     BackpressureConfig,
     CanaryConfig,
     HealthConfig,
+    HttpConfig,
     LoggingConfig,
     MeshTlsConfig,
     MetricsConfig,
@@ -316,6 +317,7 @@ class MeshConfig:
     shutdown: ShutdownConfig = field(default_factory=ShutdownConfig)
     metrics: MetricsConfig = field(default_factory=MetricsConfig)
     tls: TlsConfig = field(default_factory=TlsConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def validate(self) -> None:

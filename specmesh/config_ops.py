@@ -161,6 +161,23 @@ class TlsConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP front on the gateway (gateway/http): its own port, same core."""
+
+    listen: str | None = None  # host:port; null = off
+    default_max_tokens: int = 256  # a request without max_tokens / max_completion_tokens gets this
+    max_request_bytes: int = 4 * 1024 * 1024  # a bigger JSON body is refused (413)
+
+    def validate(self, key: str) -> None:
+        if self.listen is not None:
+            host, sep, port = self.listen.rpartition(":")
+            _check(bool(sep) and bool(host) and port.isdigit() and 0 < int(port) < 65536, f"{key}.listen",
+                   f"{self.listen!r} is not host:port (or null: off)")
+        _check(self.default_max_tokens >= 1, f"{key}.default_max_tokens", "must be >= 1")
+        _check(self.max_request_bytes >= 1024, f"{key}.max_request_bytes", "must be >= 1024")
+
+
+@dataclass(frozen=True)
 class LoggingConfig:
     format: str = "json"  # json (one object per line) | text
     log_text: bool = False  # DEBUG ONLY: put prompt and completion text into request log lines

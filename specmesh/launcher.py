@@ -5,6 +5,9 @@ The first replica of a service listens on its configured address; extra replicas
 free ports after the highest configured port (or any free port with free_ports=True). Children
 are named <service> for the first replica and <service>_<i> for the others (logs: <name>.log).
 
+With `http.listen` set every gateway also serves the OpenAI-compatible HTTP front: the first on
+http.listen, extra replicas on free ports (SPECMESH_HTTP__LISTEN); `up` prints their URLs.
+
 Wiring: without a registry the launcher passes the static lists: every coordinator gets all the
 worker addresses (SPECMESH_COORDINATOR__DRAFT_WORKERS / __TARGET_WORKERS) and gateway i talks to
 coordinator i mod C. With a registry (redis_url, or "local": a redis-server started and stopped
@@ -99,6 +102,20 @@ def plan_addresses(cfg: MeshConfig, scale: Scale, free_ports: bool = False) -> d
     return out
 
 
+def plan_http(cfg: MeshConfig, gateways: int) -> list[str]:
+    """The OpenAI-compatible HTTP front's address per gateway replica (none while http.listen is
+    null): http.listen for the first, any free port on its host for each extra replica."""
+    if not cfg.http.listen:
+        return []
+    host = cfg.http.listen.rpartition(":")[0]
+    out = [cfg.http.listen][:gateways]
+    for _ in range(gateways - 1):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("127.0.0.1" if host in ("localhost", "0.0.0.0", "") else host, 0))
+            out.append(f"{host}:{s.getsockname()[1]}")
+    return out
+
+
 class Mesh:
     def __init__(self, cfg: MeshConfig, config_path: str | None, log_dir: str | None, env: dict | None = None,
                  scale: Scale | None = None, redis_url: str | None = None, free_ports: bool = False):
@@ -110,12 +127,18 @@ class Mesh:
         self.free_ports = free_ports
         self.children: list[Child] = []
         self.addresses: dict[str, list[str]] = {}
+        self.http: list[str] = []  # the gateways' OpenAI-compatible HTTP fronts (http.listen)
         self.local_redis = None
         self._reported: set[str] = set()
 
     @property
     def gateways(self) -> list[str]:
         return self.addresses.get("gateway", [])
+
+    @property
+    def http_urls(self) -> list[str]:
+        scheme = "https" if self.cfg.tls.public.cert_file else "http"
+        return [f"{scheme}://{a}/v1" for a in self.http]
 
     def _child_env(self, service: str, index: int) -> dict:
         env = dict(self.env)
@@ -127,6 +150,8 @@ class Mesh:
         if service == "gateway":
             coords = self.addresses["coordinator"]
             env["SPECMESH_GATEWAY__COORDINATOR"] = coords[index % len(coords)]
+            if self.http:
+                env["SPECMESH_HTTP__LISTEN"] = self.http[index]
         return env
 
     def _spawn(self, name: str, module: str, address: str, service: str = "", index: int = 0) -> Child:
@@ -153,6 +178,7 @@ class Mesh:
             self.redis_url = self.local_redis.url
             print(f"specmesh: registry redis-server at {self.redis_url}", file=sys.stderr)
         self.addresses = plan_addresses(self.cfg, self.scale, self.free_ports)
+        self.http = plan_http(self.cfg, len(self.addresses["gateway"]))
         for service, module, _ in SERVICES:
             for i, address in enumerate(self.addresses[service]):
                 name = service if i == 0 else f"{service}_{i}"

@@ -113,6 +113,11 @@ class UpMesh:
     def gateway(self) -> str:
         return self.address("gateway")
 
+    @property
+    def http_url(self) -> str:
+        """The gateway's OpenAI-compatible front (a mesh started with http.listen)."""
+        return f"http://{self.config['http']['listen']}/v1"
+
     def stderr(self) -> str:
         return self.stderr_path.read_text(errors="replace")
 
@@ -176,10 +181,12 @@ def start_up_mesh(tmp: Path, **sections) -> UpMesh:
 
 @pytest.fixture(scope="module")
 def up_mesh(tmp_path_factory):
-    """`specmesh up` on free ports, healthy (specmesh health exited 0). Stopped at module end."""
+    """`specmesh up` on free ports (HTTP front included), healthy (specmesh health exited 0). Stopped at
+    module end."""
     if not model_cached():
         pytest.skip("default model not cached (run `specmesh fetch-model`)")
-    mesh = start_up_mesh(tmp_path_factory.mktemp("up_mesh"))
+    # with the OpenAI-compatible HTTP front on a free port, as `http.listen` turns it on
+    mesh = start_up_mesh(tmp_path_factory.mktemp("up_mesh"), http={"listen": f"127.0.0.1:{free_ports(1)[0]}"})
     try:
         mesh.wait_started()
         mesh.wait_healthy()

@@ -131,6 +131,20 @@ def test_request_id_is_echoed(gateway):
     assert gateway.Generate(req, timeout=120).request_id == "e2e-fixed-id"
 
 
+def test_openai_http_front_answers_as_grpc(up_mesh, unary_reference):
+    """`specmesh up` with http.listen: the gateway process serves the OpenAI API too, same answer."""
+    import openai
+
+    assert f"OpenAI-compatible HTTP at {up_mesh.http_url}" in up_mesh.stderr()
+    client = openai.OpenAI(base_url=up_mesh.http_url, api_key="unused", max_retries=0, timeout=300)
+    r = client.chat.completions.create(model="smollm2-135m-instruct", max_tokens=MAX_TOKENS, temperature=0,
+                                       messages=[{"role": "user", "content": REPEAT_PROMPT}],
+                                       extra_body={"speculation": {"method": "ngram"}})
+    assert r.choices[0].message.content == unary_reference.text
+    assert r.usage.completion_tokens == len(unary_reference.token_ids)
+    assert r.usage.prompt_tokens == unary_reference.usage.prompt_tokens
+
+
 def test_generate_json_cli(up_mesh, e2e, unary_reference):
     res = e2e.run_cli("generate", "--target", up_mesh.gateway, "--prompt", REPEAT_PROMPT, "--max-tokens",
                   str(MAX_TOKENS), "--temperature", "0", "--method", "ngram", "--json", timeout=300)
@@ -364,4 +378,5 @@ def test_sigterm_stops_all_children(up_mesh, e2e):
         assert not e2e.pid_alive(pid), f"{name} (pid {pid}) outlived specmesh up"
     for name in SERVICES:
         assert not e2e.port_open(up_mesh.address(name)), f"{name} still listening"
+    assert not e2e.port_open(up_mesh.config["http"]["listen"]), "the HTTP front still listening"
     assert "specmesh: stopping" in up_mesh.stderr()

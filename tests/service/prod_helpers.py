@@ -250,6 +250,16 @@ def start_mesh(target_model, encoder, overrides: dict | None = None, guard=None)
     return mesh
 
 
+def start_http(mesh: Mesh, listen: str = "127.0.0.1:0"):
+    """The OpenAI-compatible HTTP front on the mesh's gateway core (as `http.listen` starts it in
+    the gateway process), on a free port; stopped with the mesh. Returns the HttpFront (.url)."""
+    from gateway.http.serve import HttpFront
+
+    front = HttpFront(mesh.cfg, mesh.gateway, listen).start()
+    mesh.started.services.append(front)
+    return front
+
+
 def live_sequences(mesh: Mesh) -> int:
     return mesh.target_stub.Status(pb.WorkerStatusRequest(), timeout=10).live_sequences
 

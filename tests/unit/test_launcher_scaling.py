@@ -12,7 +12,7 @@ import pytest
 from specmesh.cli import parser
 from specmesh.config import load_config
 from specmesh.deploy_cli import up_mesh_kwargs
-from specmesh.launcher import Child, Mesh, Scale, check_serving, plan_addresses, port_free
+from specmesh.launcher import Child, Mesh, Scale, check_serving, plan_addresses, plan_http, port_free
 
 
 def cfg(**over):
@@ -42,6 +42,18 @@ def test_extra_replicas_take_consecutive_free_ports_after_the_highest():
         skipped = set(range(41006, extra[-1])) - set(extra)
         assert all(not port_free("127.0.0.1", p) for p in skipped), skipped
     assert addrs["gateway"][0] == "127.0.0.1:41001"  # the first gateway keeps the public port
+
+
+def test_each_gateway_replica_gets_its_own_http_front_port():
+    assert plan_http(cfg(), 2) == []  # http.listen null: no HTTP front
+    c = cfg(http={"listen": "127.0.0.1:41080"})
+    mesh = Mesh(c, None, None, env={"PATH": "/bin"}, scale=Scale(gateways=3))
+    mesh.addresses = plan_addresses(c, mesh.scale, free_ports=True)
+    mesh.http = plan_http(c, 3)
+    listens = [mesh._child_env("gateway", i)["SPECMESH_HTTP__LISTEN"] for i in range(3)]
+    assert listens[0] == "127.0.0.1:41080" and len(set(listens)) == 3
+    assert mesh.http_urls[0] == "http://127.0.0.1:41080/v1"
+    assert "SPECMESH_HTTP__LISTEN" not in mesh._child_env("coordinator", 0)
 
 
 def test_free_ports_and_zero_draft_workers():
