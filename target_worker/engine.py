@@ -295,10 +295,11 @@ class TargetEngine:
     # ------------------------------------------------------------------ model thread
     def _gather(self, kind: str, n: int, recent_s: float = 1.0) -> tuple[int, float]:
         """(verify jobs to wait for in all, longest wait): the n taken plus every sequence between
-        two rounds (prefilled, no job in flight, touched in the last recent_s)."""
+        two rounds (prefilled, no job in flight, touched in the last recent_s + two forwards: its
+        last round took one forward or more, a slow model's more than a second)."""
         if kind != "verify":
             return n, 0.0
-        now = time.monotonic()
+        now, recent_s = time.monotonic(), recent_s + 2 * self._last_verify_s
         with self._lock:
             coming = sum(1 for q in self._seqs.values()
                          if not q.inflight and not q.released and q.pending is not None and now - q.last_used < recent_s)

@@ -273,3 +273,25 @@ def test_target_engine_gathers_the_sequences_between_rounds(target_model):
 
     assert rounds(2.0) == [4, 4]
     assert rounds(0.0)[0] == 1
+
+
+def test_gather_counts_a_slow_models_sequences_between_rounds(target_model):
+    """A 1.5B target on a CPU takes ~0.7-1.5 s a forward: a sequence back from its last round was
+    touched more than a second ago and still comes (the pair at concurrency 4 ran mean batch 1.2
+    when it was not counted)."""
+    from target_worker.engine import TargetEngine
+    from specmesh.core.types import SamplingParams
+
+    engine = TargetEngine(target_model, 8, 8, 4096, 60.0, batch_gather=0.3)
+    try:
+        for i in range(3):
+            engine.prefill(f"s{i}", [10 + i, 11, 12], SamplingParams(temperature=0.0))
+        engine._last_verify_s = 1.2  # a slow model's last forward
+        for seq in engine._seqs.values():
+            seq.last_used = time.monotonic() - 2.0  # claimed for its last round two seconds ago
+        assert engine._gather("verify", 1) == (1 + 3, 0.3 * 1.2)
+        for seq in engine._seqs.values():
+            seq.last_used = time.monotonic() - 10.0  # idle: not coming
+        assert engine._gather("verify", 1)[0] == 1
+    finally:
+        engine.close()
