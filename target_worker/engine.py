@@ -115,8 +115,8 @@ class TargetEngine:
         """max_new_tokens: what the caller may still generate (0: unknown); the sequence's pool
         range is reserved for it up front, so it never has to move."""
         self._check_features(features)
-        if len(seq_id) > MAX_SEQ_ID_CHARS:
-            raise InvalidArgument("seq_id", f"at most {MAX_SEQ_ID_CHARS} characters")
+        if not 0 < len(seq_id) <= MAX_SEQ_ID_CHARS:
+            raise InvalidArgument("seq_id", f"1 to {MAX_SEQ_ID_CHARS} characters")
         if not prompt:
             raise InvalidArgument("prompt", "must hold at least one token")
         self._check_tokens(prompt, "prompt")

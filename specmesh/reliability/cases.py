@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 import struct
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 # gRPC status names a case may answer with. Anything else is a failure: UNKNOWN / INTERNAL /
 # DATA_LOSS always, DEADLINE_EXCEEDED unless the case asked for it (a hang otherwise).
@@ -57,7 +57,6 @@ class Case:
     service: str  # gateway | coordinator | draft_worker | target_worker
     steps: tuple
     summary: str  # a short repr, printed with a failure
-    meta: dict = field(default_factory=dict)
 
 
 def case_rng(seed: int, part: str, index: int) -> random.Random:
@@ -73,10 +72,6 @@ def unicode_text(rng: random.Random, n: int) -> str:
     """n pieces, mostly multi-code-unit characters; sometimes plain words."""
     words = ("the", "cat", "sat", "on", "mat", "1", "2", "def", "return")
     return "".join(rng.choice(UNICODE_BITS) if rng.random() < 0.6 else rng.choice(words) + " " for _ in range(n))
-
-
-def pick(rng: random.Random, pool, p_rare: float = 0.0, rare=()):
-    return rng.choice(rare) if rare and rng.random() < p_rare else rng.choice(pool)
 
 
 # ------------------------------------------------------------------ raw protobuf wire helpers

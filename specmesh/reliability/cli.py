@@ -7,7 +7,6 @@ docs/reliability.md. Exit 0 only when every part passed and every mesh process i
 
 from __future__ import annotations
 
-import argparse
 import json
 import platform
 import sys

@@ -74,6 +74,9 @@ def to_json(result: runner.FuzzResult) -> dict:
         "calls": {p: sum(result.histogram(p).values()) for p in parts},
         "statuses": {p: dict(sorted(result.histogram(p).items())) for p in parts},
         "kinds": _kinds(result),
+        # DEADLINE_EXCEEDED from cases that set a tiny deadline on purpose (any other one is a hang)
+        "deadline_asked": sum(1 for o in result.outcomes for st, s in zip(o.case.steps, o.statuses)
+                              if s == "DEADLINE_EXCEEDED" and st.deadline_s is not None),
         "failures": [{"case": f"{o.case.part}:{o.case.index}", "kind": o.case.kind, "summary": o.case.summary,
                       "failure": o.failure} for o in result.failures()],
         "post": result.post,

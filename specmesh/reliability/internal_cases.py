@@ -229,8 +229,14 @@ def gen_raw(rng, m, index, lim):
     service = {"TargetWorker": "target_worker", "DraftWorker": "draft_worker"}.get(
         method.split("/")[1].rsplit(".", 1)[1], "coordinator")
     data = c.random_bytes(rng) if rng.random() < 0.8 else c.field_bytes(2, c.nested_bomb(1000))
-    return "raw_bytes", service, (Step(method, data, stream=method.endswith("Stream"), auth="none"),), \
-        f"{method} {len(data)} bytes"
+    steps = (Step(method, data, stream=method.endswith("Stream"), auth="none"),)
+    if method == PREFILL:  # bytes that happen to decode prefill a sequence (the bomb: 2,000 token ids): free it
+        try:
+            steps += (Step(RELEASE, pb.ReleaseRequest(seq_id=pb.PrefillRequest.FromString(data).seq_id)
+                           .SerializeToString(), auth="none"),)
+        except Exception:  # noqa: BLE001 - not a PrefillRequest: nothing was held
+            pass
+    return "raw_bytes", service, steps, f"{method} {len(data)} bytes"
 
 
 GENERATORS = ((gen_prefill, 20), (gen_verify, 30), (gen_lifecycle, 12), (gen_propose, 20), (gen_coordinator, 10),

@@ -53,18 +53,19 @@ def _padded(req: pb.GenerateRequest, total: int) -> bytes:
     return base + field_bytes(999, b"z" * (pad + total - len(data)))
 
 
-def public_rows(mesh, encoder) -> list[LimitRow]:
-    gw = mesh.cfg.gateway
-    md = mesh.metadata("user")
-    ch = mesh.channel("gateway", own_connection=True)
-    small = pb.GenerateRequest(prompt="Say hi.", max_tokens=1)
+class _Requests:
+    """Requests at and past the public limits, sent on one connection with the user key."""
 
-    def send(req: pb.GenerateRequest | bytes):
-        return _call(ch, GEN, req if isinstance(req, bytes) else req.SerializeToString(), md)
+    def __init__(self, mesh, encoder):
+        self.channel, self.md, self.encoder = mesh.channel("gateway", own_connection=True), mesh.metadata("user"), encoder
+        self.small = pb.GenerateRequest(prompt="Say hi.", max_tokens=1)
 
-    def with_(**fields) -> pb.GenerateRequest:
+    def send(self, req: pb.GenerateRequest | bytes) -> tuple[str, str]:
+        return _call(self.channel, GEN, req if isinstance(req, bytes) else req.SerializeToString(), self.md)
+
+    def small_with(self, **fields) -> pb.GenerateRequest:
         req = pb.GenerateRequest()
-        req.CopyFrom(small)
+        req.CopyFrom(self.small)
         for name, value in fields.items():
             if isinstance(value, list):
                 getattr(req, name).extend(value)
@@ -72,47 +73,50 @@ def public_rows(mesh, encoder) -> list[LimitRow]:
                 setattr(req, name, value)
         return req
 
+    @staticmethod
     def messages(n: int) -> pb.GenerateRequest:
         req = pb.GenerateRequest(max_tokens=1)
         for _ in range(n):
             req.messages.messages.add(role="user", content="hi")
         return req
 
-    def raw_tokens(n: int) -> pb.GenerateRequest:
-        text = " hello" * n  # one token per word for this tokenizer; checked below
-        while len(encoder.encode(text, None, raw=True)) > n:
+    def raw_tokens(self, n: int) -> pb.GenerateRequest:
+        text = " hello" * n  # one token per word for this tokenizer; trimmed if not
+        while len(self.encoder.encode(text, None, raw=True)) > n:
             text = text[:-6]
         return pb.GenerateRequest(prompt=text, raw=True, max_tokens=1)
 
+
+def public_rows(mesh, encoder) -> list[LimitRow]:
+    gw, r = mesh.cfg.gateway, _Requests(mesh, encoder)
+    send, small_with = r.send, r.small_with
     tokens = gw.max_prompt_tokens or encoder.context_window - 1
     rows = [
         _row("request message", "gateway.max_message_bytes", gw.max_message_bytes,
-             send(_padded(small, gw.max_message_bytes)), send(_padded(small, gw.max_message_bytes + 1)),
+             send(_padded(r.small, gw.max_message_bytes)), send(_padded(r.small, gw.max_message_bytes + 1)),
              "RESOURCE_EXHAUSTED", "larger than max"),
         _row("prompt text", "gateway.max_prompt_bytes", gw.max_prompt_bytes,
-             send(with_(prompt="a" * gw.max_prompt_bytes, raw=True)),
-             send(with_(prompt="a" * (gw.max_prompt_bytes + 1), raw=True)), "INVALID_ARGUMENT", "bytes of text"),
-        _row("prompt tokens", "gateway.max_prompt_tokens", tokens, send(raw_tokens(tokens)),
-             send(raw_tokens(tokens + 1)), "INVALID_ARGUMENT", "prompt tokens"),
-        _row("messages", "gateway.max_messages", gw.max_messages, send(messages(gw.max_messages)),
-             send(messages(gw.max_messages + 1)), "INVALID_ARGUMENT", "messages"),
+             send(small_with(prompt="a" * gw.max_prompt_bytes, raw=True)),
+             send(small_with(prompt="a" * (gw.max_prompt_bytes + 1), raw=True)), "INVALID_ARGUMENT", "bytes of text"),
+        _row("prompt tokens", "gateway.max_prompt_tokens", tokens, send(r.raw_tokens(tokens)),
+             send(r.raw_tokens(tokens + 1)), "INVALID_ARGUMENT", "prompt tokens"),
+        _row("messages", "gateway.max_messages", gw.max_messages, send(r.messages(gw.max_messages)),
+             send(r.messages(gw.max_messages + 1)), "INVALID_ARGUMENT", "messages"),
         _row("stop strings", "gateway.max_stop_strings", gw.max_stop_strings,
-             send(with_(stop=[f"#{i}#" for i in range(gw.max_stop_strings)])),
-             send(with_(stop=[f"#{i}#" for i in range(gw.max_stop_strings + 1)])), "INVALID_ARGUMENT", "stop"),
+             send(small_with(stop=[f"#{i}#" for i in range(gw.max_stop_strings)])),
+             send(small_with(stop=[f"#{i}#" for i in range(gw.max_stop_strings + 1)])), "INVALID_ARGUMENT", "stop"),
         _row("stop string length", "gateway.max_stop_chars", gw.max_stop_chars,
-             send(with_(stop=["é" * gw.max_stop_chars])), send(with_(stop=["é" * (gw.max_stop_chars + 1)])),
+             send(small_with(stop=["é" * gw.max_stop_chars])), send(small_with(stop=["é" * (gw.max_stop_chars + 1)])),
              "INVALID_ARGUMENT", "characters"),
         _row("request_id length", "gateway.max_request_id_chars", gw.max_request_id_chars,
-             send(with_(request_id="r" * gw.max_request_id_chars)),
-             send(with_(request_id="r" * (gw.max_request_id_chars + 1))), "INVALID_ARGUMENT", "request_id"),
+             send(small_with(request_id="r" * gw.max_request_id_chars)),
+             send(small_with(request_id="r" * (gw.max_request_id_chars + 1))), "INVALID_ARGUMENT", "request_id"),
         _row("max_tokens", "gateway.max_tokens_limit", gw.max_tokens_limit,
-             send(with_(max_tokens=gw.max_tokens_limit, stop=["."])), send(with_(max_tokens=gw.max_tokens_limit + 1)),
-             "INVALID_ARGUMENT", "max_tokens"),
+             send(small_with(max_tokens=gw.max_tokens_limit, stop=["."])),
+             send(small_with(max_tokens=gw.max_tokens_limit + 1)), "INVALID_ARGUMENT", "max_tokens"),
     ]
-    ch.close()
-    rows.append(connection_limit_row(mesh, LimitRow))
-    rows.append(key_limit_row(mesh, LimitRow))
-    return rows
+    r.channel.close()
+    return rows + [connection_limit_row(mesh, LimitRow), key_limit_row(mesh, LimitRow)]
 
 
 def internal_rows(mesh, model: dict) -> list[LimitRow]:

@@ -31,13 +31,14 @@ def fuzz_markdown(res: dict, run: dict) -> str:
         f"(`{run['command']}`).",
         _table(["part", "cases", "calls"] + codes, rows),
         f"Failures: {len(res['failures'])} (UNKNOWN/INTERNAL/DATA_LOSS answers: {never}; hangs: {hangs}). "
+        f"DEADLINE_EXCEEDED: {res.get('deadline_asked', 0)} from cases that set a 1 ms or 2 s deadline on purpose. "
         f"After the fuzz: {post}.",
         _table(["generator", "cases", "failed"], kinds)])
 
 
 def limits_markdown(res: dict) -> str:
     rows = [[r["limit"], f"`{r['key']}`", r["value"], r["status_at"], r["status_past"],
-             "pass" if r["passed"] else f"FAIL {r['note']}"] for r in res["rows"]]
+             ("pass" if r["passed"] else "FAIL") + (f" ({r['note']})" if r["note"] else "")] for r in res["rows"]]
     return _table(["limit", "set by", "value in the run", "at the limit", "one past", "result"], rows)
 
 

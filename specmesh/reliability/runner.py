@@ -91,22 +91,30 @@ def judge(step: Step, status: str, seconds: float, deadline_s: float) -> str:
     return "" if status in DOCUMENTED else f"undocumented status {status}"
 
 
-class _Channels(threading.local):
-    """Each worker thread's own channels (own TCP connections); every one is kept to be closed."""
+class _Channels:
+    """Each worker thread's own channels (its own TCP connections), all closed by close()."""
 
-    opened: list = []
+    def __init__(self, mesh):
+        self.mesh, self.local, self.opened = mesh, threading.local(), []
+        self._lock = threading.Lock()
 
-    def __init__(self):
-        self.by_service: dict = {}
+    def get(self, service: str) -> grpc.Channel:
+        mine = self.local.__dict__.setdefault("by_service", {})
+        if service not in mine:
+            mine[service] = self.mesh.channel(service, own_connection=True)
+            with self._lock:
+                self.opened.append(mine[service])
+        return mine[service]
+
+    def close(self) -> None:
+        for channel in self.opened:
+            channel.close()
 
 
 def run_case(mesh, case: Case, channels: _Channels, deadline_s: float) -> Outcome:
     out = Outcome(case)
     t0 = time.monotonic()
-    channel = channels.by_service.get(case.service)
-    if channel is None:
-        channel = channels.by_service[case.service] = mesh.channel(case.service, own_connection=True)
-        channels.opened.append(channel)
+    channel = channels.get(case.service)
     for i, step in enumerate(case.steps):
         started = time.monotonic()
         status, details = call(channel, step, _auth(mesh, step.auth), deadline_s)
@@ -157,8 +165,7 @@ def post_checks(mesh, baseline: list[int], settle_s: float = 20.0) -> dict:
 def run_cases(mesh, cases: list[Case], concurrency: int = 4, deadline_s: float = 60.0,
               progress=None, time_limit_s: float | None = None) -> list[Outcome]:
     """time_limit_s: cases not started by then are not run (each recorded as a failure)."""
-    channels = _Channels()
-    channels.opened = []
+    channels = _Channels(mesh)
     done = []
     stop_at = None if time_limit_s is None else time.monotonic() + time_limit_s
 
@@ -174,6 +181,5 @@ def run_cases(mesh, cases: list[Case], concurrency: int = 4, deadline_s: float =
                 if progress is not None:
                     progress(outcome, len(done))
     finally:
-        for channel in channels.opened:
-            channel.close()
+        channels.close()
     return done

@@ -124,8 +124,9 @@ def test_internal_services_refuse_invalid_sampling(chans, sampling):
     assert status(chans["draft_worker"], "/specmesh.v1.DraftWorker/Propose", propose)[0] == "INVALID_ARGUMENT"
 
 
-def test_a_long_sequence_id_is_refused(chans):
-    req = pb.PrefillRequest(seq_id="s" * 5000, prompt=[1, 2])
+@pytest.mark.parametrize("sid", ["s" * 5000, ""])
+def test_prefill_needs_a_bounded_sequence_id(chans, sid):
+    req = pb.PrefillRequest(seq_id=sid, prompt=[1, 2])
     assert status(chans["target_worker"], "/specmesh.v1.TargetWorker/Prefill", req)[0] == "INVALID_ARGUMENT"
 
 
