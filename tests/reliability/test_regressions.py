@@ -202,3 +202,12 @@ def rmesh_vocab(chans) -> int:
     resp = chans["target_worker"].unary_unary("/specmesh.v1.TargetWorker/Status",
                                               response_deserializer=pb.WorkerStatusResponse.FromString)(b"", timeout=30)
     return resp.vocab_size
+
+
+def test_a_refused_request_id_never_reaches_the_logs(rmesh, chans):
+    """Was: the gateway put the client's request_id into its log line and span before validating it
+    (a 100 KB id in every line; one full of newlines or ANSI codes as well)."""
+    rid = "q" * 5000
+    req = pb.GenerateRequest(prompt="hi", max_tokens=1, request_id=rid)
+    assert status(chans["gateway"], GEN, req, rmesh.metadata("user"))[0] == "INVALID_ARGUMENT"
+    assert "q" * 200 not in rmesh.logs()
