@@ -1,7 +1,7 @@
-"""The mesh the suite runs against: `specmesh up`'s launcher on free loopback ports, with a real
-redis-server (API keys: auth required), mTLS between the services, metrics on OS-chosen ports,
-spans printed to the service logs (OTEL_TRACES_EXPORTER=console) so the no-text check reads
-them. Every process it starts is stopped by stop(), by pid."""
+"""The mesh the suite runs against: `specmesh up`'s launcher on free loopback ports (the HTTP front
+on too), a real redis-server (API keys: auth required), mTLS between the services, metrics on
+OS-chosen ports, spans printed to the service logs (OTEL_TRACES_EXPORTER=console) so the no-text
+check reads them. Every process it starts is stopped by stop(), by pid."""
 
 from __future__ import annotations
 
@@ -38,7 +38,7 @@ def _merge(base: dict, over: dict) -> dict:
 
 def suite_config(redis_url: str, pki: SuitePki | None, overrides: dict | None = None) -> dict:
     """The suite's YAML data: four free loopback ports, auth on, mTLS when pki is given."""
-    gw, co, dw, tw = (f"127.0.0.1:{p}" for p in free_ports(4))
+    gw, co, dw, tw, http = (f"127.0.0.1:{p}" for p in free_ports(5))
     data = {
         "model": {"dtype": "float32"},
         "runtime": {"torch_threads": 1, "log_level": "INFO"},
@@ -53,6 +53,7 @@ def suite_config(redis_url: str, pki: SuitePki | None, overrides: dict | None = 
                     "target_worker_port": -1},
         "health": {"probe_interval_s": 30.0},
         "shutdown": {"grace_s": 3.0},
+        "http": {"listen": http},  # the OpenAI-compatible front too: its socket is in the bind check
     }
     if pki is not None:
         data["tls"] = {"mesh": {"cert_file": str(pki.cert), "key_file": str(pki.key), "ca_file": str(pki.ca)}}

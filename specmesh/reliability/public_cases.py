@@ -13,6 +13,7 @@ from specmesh.v1 import specmesh_pb2 as pb
 
 GEN, STREAM = "/specmesh.v1.Gateway/Generate", "/specmesh.v1.Gateway/GenerateStream"
 ADMIN_GET, ADMIN_SET = "/specmesh.v1.Admin/GetSpeculation", "/specmesh.v1.Admin/SetSpeculation"
+ADMIN_CANARY = "/specmesh.v1.Admin/GetCanary"
 HEALTH, NOPE = "/grpc.health.v1.Health/Check", "/specmesh.v1.Gateway/Nope"
 VALID_ROLES = ("system", "user", "assistant", "tool")
 SPECIAL = ("<|im_start|>", "<|im_end|>", "<|endoftext|>")  # the default model's control tokens
@@ -156,7 +157,7 @@ def gen_request_id(rng, lim):
 
 
 def gen_random_bytes(rng, lim):
-    method = rng.choice((GEN, STREAM, ADMIN_GET, ADMIN_SET, HEALTH, NOPE))
+    method = rng.choice((GEN, STREAM, ADMIN_GET, ADMIN_SET, ADMIN_CANARY, HEALTH, NOPE))
     data = c.random_bytes(rng)
     expect = frozenset({"UNIMPLEMENTED"}) if method == NOPE else None
     auth = "admin" if method.startswith("/specmesh.v1.Admin") else "user"
@@ -184,8 +185,9 @@ def gen_auth(rng, lim):
     if what.startswith("admin"):
         auth = what.split("_")[1]
         expect = frozenset({"PERMISSION_DENIED"}) if auth == "user" else frozenset({"UNAUTHENTICATED"})
-        method = rng.choice((ADMIN_GET, ADMIN_SET))
-        payload = (apb.SetSpeculationRequest(enabled=False) if method == ADMIN_SET else apb.GetSpeculationRequest())
+        method = rng.choice((ADMIN_GET, ADMIN_SET, ADMIN_CANARY))
+        payload = {ADMIN_SET: apb.SetSpeculationRequest(enabled=False), ADMIN_GET: apb.GetSpeculationRequest(),
+                   ADMIN_CANARY: apb.GetCanaryRequest()}[method]
         return "auth", (Step(method, payload.SerializeToString(), expect=expect, auth=auth),), what
     expect = frozenset({"UNAUTHENTICATED", "RESOURCE_EXHAUSTED"} if what == "huge" else {"UNAUTHENTICATED"})
     return "auth", _steps(_small_request(rng), rng, expect, auth=what), what
@@ -199,7 +201,14 @@ def gen_admin(rng, lim):
         req.method = rng.choice(c.METHODS)
     if rng.random() < 0.5:
         req.num_speculative_tokens = rng.choice(c.INT32 + (-1, 3, 16))
+    if rng.random() < 0.3:
+        req.share = rng.choice(c.FLOATS + (0.25,))
+    if rng.random() < 0.2:
+        req.keys = rng.choice(("user", "", "user,other", ",,", "x" * 300, "é,\u0000", "nobody"))
     req.reset = rng.random() < 0.3
+    if rng.random() < 0.15:
+        get = apb.GetCanaryRequest(since_start=rng.random() < 0.5)
+        return "admin", (Step(ADMIN_CANARY, get.SerializeToString(), auth="admin", expect=frozenset({"OK"})),), "GetCanary"
     return "admin", (Step(ADMIN_SET, req.SerializeToString(), auth="admin"),), c.short(req)
 
 

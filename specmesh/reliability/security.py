@@ -72,7 +72,8 @@ def admin_checks(mesh) -> list[Check]:
     out = []
     for who, md in auth.items():
         want = "PERMISSION_DENIED" if who == "user key" else "UNAUTHENTICATED"
-        for method, req in ((get, apb.GetSpeculationRequest()), (setm, apb.SetSpeculationRequest(enabled=False))):
+        for method, req in ((get, apb.GetSpeculationRequest()), (setm, apb.SetSpeculationRequest(enabled=False)),
+                            ("/specmesh.v1.Admin/GetCanary", apb.GetCanaryRequest())):
             got = _status(ch, method, req, md)
             out.append(Check(f"Admin/{method.rsplit('/', 1)[1]} with {who}", "gateway", want, got, got == want))
     after = ch.unary_unary(get, response_deserializer=apb.SpeculationState.FromString)(

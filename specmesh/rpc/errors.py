@@ -84,8 +84,8 @@ def _refuse_undecodable(request) -> None:
 def guard_decoding(handler):
     """handler (a grpc.RpcMethodHandler) raising InvalidArgument for an undecodable request; wrap
     it in the error mapping (map_errors, or wrap_unary / wrap_stream) to answer the status."""
-    if handler is None or handler.request_deserializer is None:
-        return handler
+    if handler is None or handler.request_deserializer is None or not (handler.unary_unary or handler.unary_stream):
+        return handler  # client-streaming methods (reflection) keep gRPC's own decoding
     handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
     if handler.unary_unary:
         inner_unary = handler.unary_unary
@@ -95,15 +95,13 @@ def guard_decoding(handler):
             return inner_unary(request, context)
 
         return handler._replace(unary_unary=unary)
-    if handler.unary_stream:
-        inner_stream = handler.unary_stream
+    inner_stream = handler.unary_stream
 
-        def stream(request, context):
-            _refuse_undecodable(request)
-            yield from inner_stream(request, context)
+    def stream(request, context):
+        _refuse_undecodable(request)
+        yield from inner_stream(request, context)
 
-        return handler._replace(unary_stream=stream)
-    return handler
+    return handler._replace(unary_stream=stream)
 
 
 def _wrap_unary(fn):

@@ -117,7 +117,7 @@ def _servicers(mesh: InProcessMesh, target_model, encoder) -> dict:
 
     def reg_coordinator(s):
         pb_grpc.add_CoordinatorServicer_to_server(coordinator, s)
-        apb_grpc.add_AdminServicer_to_server(CoordinatorAdminServicer(coordinator.control), s)
+        apb_grpc.add_AdminServicer_to_server(CoordinatorAdminServicer.of(coordinator), s)
 
     def reg_gateway(s):
         pb_grpc.add_GatewayServicer_to_server(gateway, s)
