@@ -10,7 +10,7 @@ STUBS := specmesh/v1/specmesh_pb2.py specmesh/v1/specmesh_pb2_grpc.py specmesh/v
 # torch, so it is installed by default; `make setup EXTRAS=test` skips it (test_ray.py then skips)
 EXTRAS ?= test,ray
 
-.PHONY: setup venv deps protos model kernel run test test-unit clean
+.PHONY: setup venv deps protos model kernel run test test-unit chaos clean
 
 setup: deps protos model kernel
 
@@ -49,6 +49,10 @@ test: setup
 
 test-unit: deps protos
 	$(VPY) -m pytest -ra tests/unit
+
+# the full reliability suite (docs/reliability.md): its own mesh on loopback, ~10 minutes
+chaos: setup
+	$(VPY) -m specmesh.cli chaos --docs docs/reliability.md $(ARGS)
 
 clean:
 	rm -f $(STUBS) specmesh/v1/*_pb2.pyi

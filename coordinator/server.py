@@ -40,7 +40,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
     def __init__(self, cfg: MeshConfig, encoder: PromptEncoder, targets: TargetPool, drafts: GrpcDraftPool,
                  control: SpeculationControl | None = None):
         self.cfg, self.encoder, self.targets, self.drafts = cfg, encoder, targets, drafts
-        self.limits = Limits(cfg.gateway.max_tokens_limit, cfg.gateway.max_stop_strings)
+        self.limits = Limits.from_config(cfg.gateway)
         # the admin hot switch and canary (served by CoordinatorAdminServicer), the canary's
         # per-arm windows (admin canary) and guard, and backpressure
         canary = Canary(cfg.coordinator.canary.share, cfg.coordinator.canary.keys)

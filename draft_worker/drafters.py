@@ -63,12 +63,14 @@ class NgramDrafter:
 
 
 class SequenceLru:
-    """Per-sequence drafter state keyed by seq_id, least recently stored evicted past max_items.
+    """Per-sequence drafter state keyed by seq_id, least recently stored evicted past max_items
+    (and, with max_tokens, past that many tokens in all, as size(item) counts them: a stream of
+    long, never-released sequences cannot grow the draft worker's memory without bound).
     take() removes the entry (the model thread owns it while drafting); put() stores it back."""
 
-    def __init__(self, max_items: int):
+    def __init__(self, max_items: int, max_tokens: int = 0, size: Callable = lambda item: 0):
         self._items: OrderedDict = OrderedDict()
-        self._max = max_items
+        self._max, self._max_tokens, self._size = max_items, max_tokens, size
         self._lock = threading.Lock()
 
     def take(self, seq_id: str):
@@ -80,6 +82,10 @@ class SequenceLru:
             self._items[seq_id] = item
             while len(self._items) > self._max:
                 self._items.popitem(last=False)
+            if self._max_tokens:
+                total = sum(self._size(x) for x in self._items.values())
+                while total > self._max_tokens and len(self._items) > 1:  # the newest stays
+                    total -= self._size(self._items.popitem(last=False)[1])
 
     def __getitem__(self, seq_id: str):  # a look without taking (tests, introspection)
         with self._lock:
@@ -90,6 +96,15 @@ class SequenceLru:
 
     def __len__(self) -> int:
         return len(self._items)
+
+
+def _wait(future, timeout: float | None):
+    """The job's result; a job its caller gave up on before it ran never runs (the batcher skips it)."""
+    try:
+        return future.result(timeout)
+    except BaseException:
+        future.cancel()
+        raise
 
 
 class _BatchedDrafter:
@@ -125,19 +140,22 @@ class ModelDrafter(_BatchedDrafter):
     name = "draft_model"
 
     def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024,
-                 proposal_top_k: int = 0):
+                 proposal_top_k: int = 0, cache_max_tokens: int = 0):
         self.model = model
-        self.vocab_size = model.config.get_text_config().vocab_size
+        text = model.config.get_text_config()
+        self.vocab_size = text.vocab_size
+        self.context_window = getattr(text, "max_position_embeddings", None)  # Propose refuses longer contexts
         # T > 0: sample each draft from its distribution kept on the proposal_top_k likeliest tokens
         # (0: the whole vocabulary); that truncated row is the proposal sent, sparse on the wire
         self.proposal_top_k = proposal_top_k
-        self._cache = SequenceLru(cache_max_sequences)  # seq_id -> _Cached
+        # seq_id -> _Cached; cache_max_tokens: KV slots held in all (0: only the sequence count bounds it)
+        self._cache = SequenceLru(cache_max_sequences, cache_max_tokens, size=lambda e: e.kv.capacity)
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="draft-batcher")
 
     def propose(self, job: ProposeJob, timeout: float | None = None) -> DraftProposal:
         if job.k == 0:
             return DraftProposal([], None)
-        return self.batcher.submit("propose", job).result(timeout)
+        return _wait(self.batcher.submit("propose", job), timeout)
 
     # ------------------------------------------------------------------ model thread
     def _take_cache(self, job: ProposeJob) -> tuple[_Cached, list[int]]:
@@ -210,7 +228,7 @@ class BlockDrafter(_BatchedDrafter):
             return DraftProposal([], None, missing_features=True)
         if job.k == 0:
             return DraftProposal([], None)
-        return self.batcher.submit("propose", (job, window)).result(timeout)
+        return _wait(self.batcher.submit("propose", (job, window)), timeout)
 
     def _window(self, job: ProposeJob) -> FeatureWindow | None:
         """Merge the job's rows into the sequence's window; None = a miss. The rows end at the

@@ -13,8 +13,8 @@ from specmesh.config import ConfigError, MeshConfig
 from specmesh.engine import cpu_gemm
 from specmesh.engine.loader import load_configured_model
 from specmesh.errors import InvalidArgument, ModelIntegrityError
-from specmesh.config import MAX_TREE_BUDGET
-from specmesh.rpc.convert import features_from_pb, probs_to_wire, sampling_from_pb
+from specmesh.config import MAX_SEQ_ID_CHARS, MAX_TREE_BUDGET
+from specmesh.rpc.convert import checked_sampling_from_pb, features_from_pb, probs_to_wire
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
@@ -25,6 +25,8 @@ from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+MAX_CONTEXT_TOKENS = 1 << 17  # a drafter without a context window of its own (n-gram) reads at most this many
 
 
 class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
@@ -59,8 +61,11 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
             raise InvalidArgument("context", "must hold at least one token")
         if not 0 <= request.tree_budget <= MAX_TREE_BUDGET:
             raise InvalidArgument("tree_budget", f"must be in [0, {MAX_TREE_BUDGET}]")
+        if len(request.seq_id) > MAX_SEQ_ID_CHARS:
+            raise InvalidArgument("seq_id", f"at most {MAX_SEQ_ID_CHARS} characters")
+        _check_context(drafter, request.context)
         job = ProposeJob(request.seq_id, list(request.context), request.num_tokens,
-                         sampling_from_pb(request.sampling), request.round,
+                         checked_sampling_from_pb(request.sampling), request.round,
                          features_from_pb(request.features), request.features_complete, request.tree_budget,
                          alive=context.is_active)
         draft = drafter.propose(job, timeout=context.time_remaining())
@@ -76,6 +81,17 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
         for drafter in self.drafters.values():
             drafter.release(request.seq_id)
         return pb.ReleaseDraftResponse()
+
+
+def _check_context(drafter, context) -> None:
+    """A model drafter reads at most its context window of ids in its vocabulary (n-gram matches
+    ids as opaque integers, up to MAX_CONTEXT_TOKENS)."""
+    window = getattr(drafter, "context_window", None) or MAX_CONTEXT_TOKENS
+    if len(context) > window:
+        raise InvalidArgument("context", f"{len(context)} tokens; this drafter reads at most {window}")
+    vocab = getattr(drafter, "vocab_size", None)
+    if vocab and (min(context) < 0 or max(context) >= vocab):
+        raise InvalidArgument("context", f"token ids must be in [0, {vocab})")
 
 
 def build_drafters(cfg: MeshConfig) -> dict:
@@ -96,7 +112,8 @@ def build_drafters(cfg: MeshConfig) -> dict:
         bp = cfg.backpressure.draft_worker
         drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences,
                                                proposal_top_k=dm.proposal_top_k,
-                                               max_queue=bp.max_inflight + bp.max_queue)
+                                               max_queue=bp.max_inflight + bp.max_queue,
+                                               cache_max_tokens=wcfg.cache_max_tokens)
     if "block" in wcfg.methods:
         block = load_block_model(cfg)  # None: the default artefact is absent (logged)
         if block is not None:

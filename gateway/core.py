@@ -14,6 +14,7 @@ called when the front's client goes away.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import logging
 import time
@@ -23,11 +24,12 @@ from typing import Callable, Iterator
 import grpc
 
 from coordinator.observe import model_name
+from gateway.streams import StreamLimits
 from specmesh.auth.guard import Guard
 from specmesh.config import MeshConfig
 from specmesh.errors import Cancelled
 from specmesh.rpc.errors import raise_from_rpc
-from specmesh.rpc.requests import Limits, decode_request
+from specmesh.rpc.requests import Limits, decode_request, valid_request_id
 from specmesh.rpc.server import make_channel
 from specmesh.telemetry import context as reqctx
 from specmesh.telemetry import genai, tracing
@@ -50,15 +52,17 @@ class Admitted:
     prompt_tokens: int
     max_tokens: int
     record: object  # KeyRecord | None
+    peer: str = ""  # the client's connection (gateway.max_streams_per_connection); "": not counted
 
 
 class GatewayCore:
     def __init__(self, cfg: MeshConfig, encoder: PromptEncoder, guard: Guard | None = None):
         self.cfg = cfg
         self.encoder = encoder
-        self.limits = Limits(cfg.gateway.max_tokens_limit, cfg.gateway.max_stop_strings)
+        self.limits = Limits.from_config(cfg.gateway)
         self.guard = guard if guard is not None else Guard.from_config(cfg)  # no Redis traffic while auth is off
         self.admission = admission_limiter("gateway", cfg.backpressure.gateway)
+        self.streams = StreamLimits(cfg.gateway.max_streams_per_connection, cfg.gateway.max_streams_per_key)
         self.channel = make_channel(cfg.gateway.coordinator)
         self.coordinator = pb_grpc.CoordinatorStub(self.channel)
         self.admin = apb_grpc.AdminStub(self.channel)
@@ -72,15 +76,17 @@ class GatewayCore:
             info.key_name = rec.name
         return rec
 
-    def admit(self, request, record, remaining_s: float | None) -> Admitted:
-        """Fill in the request id, validate every field (after authenticate); nothing is reserved yet."""
+    def admit(self, request, record, remaining_s: float | None, peer: str = "") -> Admitted:
+        """Fill in the request id, validate every field (after authenticate); nothing is reserved yet.
+        peer: the client's connection, for gateway.max_streams_per_connection ("": not counted)."""
         info = reqctx.current() or reqctx.RequestInfo("gateway", "Generate")
         if not request.request_id:
             filled = pb.GenerateRequest()
             filled.CopyFrom(request)
             filled.request_id = uuid.uuid4().hex
             request = filled
-        info.request_id = request.request_id
+        # logged and forwarded: only a valid one (a refused request's id may be 1 MB of anything)
+        info.request_id = request.request_id if valid_request_id(request.request_id, self.limits) else "(invalid)"
         limit = self.cfg.gateway.max_deadline_s
         timeout = limit if remaining_s is None else min(remaining_s, limit)
         req = decode_request(request, self.encoder, self.limits, self.cfg.speculative, timeout)
@@ -89,7 +95,7 @@ class GatewayCore:
         if self.cfg.logging.log_text:  # debug only
             info.update(prompt=request.prompt or [m.content for m in request.messages.messages])
         deadline = None if remaining_s is None else time.monotonic() + remaining_s
-        return Admitted(request, timeout, deadline, len(req.prompt_ids), req.max_tokens, record)
+        return Admitted(request, timeout, deadline, len(req.prompt_ids), req.max_tokens, record, peer)
 
     def _finished(self, a: Admitted, completion: int, finish_reason: str, spec, text: str | None = None) -> None:
         attrs = genai.response_attributes(a.prompt_tokens, completion, finish_reason, a.request.request_id)
@@ -102,8 +108,15 @@ class GatewayCore:
             if self.cfg.logging.log_text and text is not None:
                 info.update(completion=text)
 
+    @contextlib.contextmanager
+    def _slots(self, a: Admitted):
+        """Per connection and per key first (RESOURCE_EXHAUSTED), then the gateway's admission."""
+        key = a.record.key_hash if a.record is not None else None
+        with self.streams.slot(a.peer, key), self.admission.slot(a.deadline):
+            yield
+
     def generate(self, a: Admitted, watch: Watch) -> pb.GenerateResponse:
-        with self.admission.slot(a.deadline):
+        with self._slots(a):
             res = self.guard.reserve(a.record, a.prompt_tokens + a.max_tokens)
             used = a.prompt_tokens
             try:
@@ -122,7 +135,7 @@ class GatewayCore:
                 self.guard.refund(res, used)
 
     def stream(self, a: Admitted, watch: Watch) -> Iterator[pb.GenerateChunk]:
-        with self.admission.slot(a.deadline):
+        with self._slots(a):
             res = self.guard.reserve(a.record, a.prompt_tokens + a.max_tokens)
             completion, started, text = 0, time.monotonic(), [] if self.cfg.logging.log_text else None
             info = reqctx.current()

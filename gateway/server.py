@@ -27,7 +27,7 @@ from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 class GatewayServicer(GatewayCore, pb_grpc.GatewayServicer):
     def _admit(self, request, context):
         record = self.authenticate(bearer_token(context.invocation_metadata()))
-        return self.admit(request, record, context.time_remaining())
+        return self.admit(request, record, context.time_remaining(), context.peer())
 
     def Generate(self, request, context):
         return self.generate(self._admit(request, context), context.add_callback)

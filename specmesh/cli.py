@@ -16,6 +16,7 @@ from specmesh.auth.cli import add_commands as add_ops_commands
 from specmesh.bench import add_arguments as add_bench_arguments
 from specmesh.deploy_cli import add_commands as add_deploy_commands
 from specmesh.deploy_cli import add_up_arguments, up_mesh_kwargs
+from specmesh.reliability.cli import add_commands as add_reliability_commands
 from specmesh.training.cli import add_commands as add_training_commands
 
 DEFAULT_TARGET = "127.0.0.1:50051"
@@ -205,6 +206,7 @@ def parser() -> argparse.ArgumentParser:
     add_deploy_commands(sub)  # probe, workers, plan, ray
     add_training_commands(sub)  # train-drafter, eval-drafter
     add_ops_commands(sub, DEFAULT_TARGET)  # keys, admin
+    add_reliability_commands(sub)  # chaos
     return root
 
 

@@ -45,6 +45,8 @@ VERIFY_MODES = ("chain", "tree")
 # auto: bfloat16 on a GPU or a CPU with native bf16 (avx512_bf16 / amx_bf16), else float32
 DTYPES = ("auto", "bfloat16", "float16", "float32")
 MAX_TREE_BUDGET = 64  # draft-tree nodes per round, at most
+MAX_DRAFT_TOKENS = 64  # draft tokens (chain or tree nodes) one Verify may carry: >= max_speculative_tokens, tree_budget
+MAX_SEQ_ID_CHARS = 256  # internal sequence ids (Prefill, Propose): the coordinator's are ~45
 
 
 def _check_address(value: str, key: str) -> None:
@@ -136,11 +138,25 @@ class GatewayConfig:
     max_stop_strings: int = 16
     max_deadline_s: float = 600.0  # a client's deadline is clamped to this
     max_workers: int = 64  # gRPC handler threads
+    # sizes the public API accepts (docs/reliability.md: each limit and its status code)
+    max_message_bytes: int = 1 << 20  # one request on the public port; larger: RESOURCE_EXHAUSTED (gRPC)
+    max_prompt_bytes: int = 262144  # UTF-8 bytes of the prompt (or all message contents), checked before tokenizing
+    max_prompt_tokens: int = 0  # prompt tokens after the chat template (0: the model's context window)
+    max_messages: int = 128  # entries in `messages`
+    max_stop_chars: int = 128  # characters of one stop string
+    max_request_id_chars: int = 128  # request_id: printable ASCII without spaces, at most this long
+    max_streams_per_connection: int = 64  # concurrent requests on one client connection; more: RESOURCE_EXHAUSTED
+    max_streams_per_key: int = 64  # concurrent requests per API key (auth on; 0: no limit); more: RESOURCE_EXHAUSTED
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
         _check_address(self.coordinator, f"{key}.coordinator")
         _check(self.max_tokens_limit >= 1, f"{key}.max_tokens_limit", "must be >= 1")
+        for name in ("max_stop_strings", "max_prompt_tokens", "max_streams_per_key"):
+            _check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")
+        for name in ("max_message_bytes", "max_prompt_bytes", "max_messages", "max_stop_chars",
+                     "max_request_id_chars", "max_streams_per_connection"):
+            _check(getattr(self, name) >= 1, f"{key}.{name}", "must be >= 1")
         _check(self.max_deadline_s > 0, f"{key}.max_deadline_s", "must be > 0")
         _check(self.max_workers >= 1, f"{key}.max_workers", "must be >= 1")
 
@@ -220,6 +236,7 @@ class DraftWorkerConfig:
     block: BlockWorkerConfig = field(default_factory=BlockWorkerConfig)
     max_batch_size: int = 16
     cache_max_sequences: int = 256  # per-sequence draft KV kept (LRU) for reuse across rounds
+    cache_max_tokens: int = 65536  # ... and KV slots kept in all (draft_model): least recent sequences go first
     max_workers: int = 64
 
     def validate(self, key: str) -> None:
@@ -231,6 +248,7 @@ class DraftWorkerConfig:
         self.block.validate(f"{key}.block")
         _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
         _check(self.cache_max_sequences >= 1, f"{key}.cache_max_sequences", "must be >= 1")
+        _check(self.cache_max_tokens >= 0, f"{key}.cache_max_tokens", "must be >= 0 (0: no token bound)")
 
 
 @dataclass(frozen=True)

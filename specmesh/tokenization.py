@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+from functools import cached_property
 
 from specmesh.errors import InvalidArgument
 
@@ -34,6 +36,23 @@ class PromptEncoder:
         eos_ids = set(eos) if isinstance(eos, (list, tuple)) else ({eos} if eos is not None else set())
         return cls(tok, int(window), eos_ids)
 
+    @cached_property
+    def _control(self) -> re.Pattern | None:
+        """The tokenizer's special tokens that plain text turns into (<|im_start|>, <|im_end|>, ...)."""
+        decoder = getattr(self.tokenizer, "added_tokens_decoder", None) or {}
+        names = {t.content for t in decoder.values() if getattr(t, "special", False)}
+        names |= set(getattr(self.tokenizer, "all_special_tokens", ()) or ())
+        names = sorted((n for n in names if n), key=len, reverse=True)
+        return re.compile("|".join(map(re.escape, names))) if names else None
+
+    def _check_text(self, field: str, text: str) -> None:
+        """Templated text must not carry the template's own control tokens: a message could
+        otherwise close its turn and open a forged one (a `system` turn from a user)."""
+        found = self._control.search(text) if self._control is not None else None
+        if found:
+            raise InvalidArgument(field, f"must not contain the chat template's control token {found.group()!r} "
+                                         "(send raw=true with prompt to write the template yourself)")
+
     def encode(self, prompt: str | None, messages: list[tuple[str, str]] | None, raw: bool = False) -> list[int]:
         if messages:
             for i, (role, content) in enumerate(messages):
@@ -41,11 +60,13 @@ class PromptEncoder:
                     raise InvalidArgument(f"messages[{i}].role", f"must be one of {', '.join(ROLES)}")
                 if not content:
                     raise InvalidArgument(f"messages[{i}].content", "must not be empty")
+                self._check_text(f"messages[{i}].content", content)
             return self._template([{"role": r, "content": c} for r, c in messages])
         if not prompt:
             raise InvalidArgument("prompt", "must not be empty (send prompt or messages)")
         if raw or not self.tokenizer.chat_template:
             return list(self.tokenizer(prompt, add_special_tokens=True)["input_ids"])
+        self._check_text("prompt", prompt)
         return self._template([{"role": "user", "content": prompt}])
 
     def _template(self, messages: list[dict]) -> list[int]:

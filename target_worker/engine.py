@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.capacity import ROUND_SLOTS  # slots one round may write past the cache
+from specmesh.config import MAX_DRAFT_TOKENS, MAX_SEQ_ID_CHARS
 from specmesh.core.costmodel import ROWS as COST_ROWS
 from specmesh.core.costmodel import VerifyCost
 from specmesh.core.rejection import verify as verify_round
@@ -114,6 +115,8 @@ class TargetEngine:
         """max_new_tokens: what the caller may still generate (0: unknown); the sequence's pool
         range is reserved for it up front, so it never has to move."""
         self._check_features(features)
+        if not 0 < len(seq_id) <= MAX_SEQ_ID_CHARS:
+            raise InvalidArgument("seq_id", f"1 to {MAX_SEQ_ID_CHARS} characters")
         if not prompt:
             raise InvalidArgument("prompt", "must hold at least one token")
         self._check_tokens(prompt, "prompt")
@@ -128,6 +131,8 @@ class TargetEngine:
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float | None = None,
                features: FeatureSpec | None = None) -> VerifyOutcome:
+        if len(draft.token_ids) > MAX_DRAFT_TOKENS:  # before the tree's [N+1, N+1] mask is built
+            raise InvalidArgument("draft_token_ids", f"at most {MAX_DRAFT_TOKENS} draft tokens")
         self._check_tokens(draft.token_ids, "draft_token_ids")
         self._check_features(features)
         if draft.probs is not None and tuple(draft.probs.shape) != (len(draft.token_ids), self.vocab_size):
@@ -248,8 +253,10 @@ class TargetEngine:
             raise InvalidArgument(name, f"token ids must be in [0, {self.vocab_size})")
 
     def _check_features(self, spec: FeatureSpec | None) -> None:
-        if spec is not None and any(not 0 <= layer < self.num_layers for layer in spec.layers):
-            raise InvalidArgument("return_features.layers", f"decoder layers must be in [0, {self.num_layers})")
+        if spec is not None and (len(spec.layers) > self.num_layers
+                                 or any(not 0 <= layer < self.num_layers for layer in spec.layers)):
+            raise InvalidArgument("return_features.layers", f"at most {self.num_layers} decoder layers, "
+                                                            f"each in [0, {self.num_layers})")
 
     def _check_tree(self, draft: DraftProposal) -> int:
         """Validate a draft tree; returns the draft's depth (a chain: its length)."""

@@ -8,13 +8,13 @@ import logging
 import sys
 import threading
 
-from specmesh.config import ConfigError
+from specmesh.config import MAX_DRAFT_TOKENS, ConfigError
 from specmesh.engine import cpu_gemm, rowexact
 from specmesh.engine.loader import dtype_name, load_configured_model
-from specmesh.errors import ModelIntegrityError, Unavailable
+from specmesh.errors import InvalidArgument, ModelIntegrityError, Unavailable
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
-from specmesh.rpc.convert import (cost_to_pb, feature_request_from_pb, features_to_pb, proposal_from_pb,
-                                  sampling_from_pb)
+from specmesh.rpc.convert import (checked_sampling_from_pb, cost_to_pb, feature_request_from_pb, features_to_pb,
+                                  proposal_from_pb)
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
 from specmesh.runtime import service_args, start_process
@@ -39,14 +39,16 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
             raise Unavailable("target worker is draining; the sequence goes to another worker")
         set_attributes({"specmesh.seq_id": request.seq_id, "specmesh.prompt_tokens": len(request.prompt)})
         features = feature_request_from_pb(request)  # None: no features asked, none computed
+        params = checked_sampling_from_pb(request.sampling)
         with self._slot(context):
-            out = self.engine.prefill_outcome(request.seq_id, list(request.prompt), sampling_from_pb(request.sampling),
+            out = self.engine.prefill_outcome(request.seq_id, list(request.prompt), params,
                                               timeout=context.time_remaining(), features=features,
                                               max_new_tokens=max(0, request.max_new_tokens))
         return pb.PrefillResponse(token_id=out.token, features=features_to_pb(out.features),
                                   verify_cost=cost_to_pb(self._cost()))
 
     def Verify(self, request, context):
+        self._check_draft_size(request)
         draft = proposal_from_pb(request.draft_token_ids, request.draft_probs, request.vocab_size,
                                  request.draft_parents,
                                  sparse=request.draft_sparse_probs if request.HasField("draft_sparse_probs") else None)
@@ -63,6 +65,15 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
     def _cost(self) -> dict:
         """The verify cost model as sent: the table, the mean batch and the live sequences now."""
         return {**self.engine.cost.as_dict(), "live": self.engine.live_sequences()}
+
+    def _check_draft_size(self, request) -> None:
+        """Before anything is decoded: a draft of at most MAX_DRAFT_TOKENS tokens, and probabilities
+        over this worker's vocabulary only (a [k, vocab_size] tensor is allocated from them)."""
+        if len(request.draft_token_ids) > MAX_DRAFT_TOKENS:
+            raise InvalidArgument("draft_token_ids", f"at most {MAX_DRAFT_TOKENS} draft tokens")
+        has_probs = bool(request.draft_probs) or bool(request.draft_sparse_probs.row_lengths)
+        if has_probs and request.vocab_size != self.engine.vocab_size:
+            raise InvalidArgument("vocab_size", f"{request.vocab_size} is not this model's ({self.engine.vocab_size})")
 
     def _slot(self, context):
         return self.admission.slot(deadline_from(context)) if self.admission is not None else contextlib.nullcontext()

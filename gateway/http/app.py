@@ -71,6 +71,12 @@ async def _json_body(request: Request, limit: int):
         raise InvalidArgument("body", f"not valid JSON ({exc})") from None
 
 
+def _peer(request: Request) -> str:
+    """The client's connection, as the gRPC front counts it (gateway.max_streams_per_connection)."""
+    client = request.client
+    return f"http:{client.host}:{client.port}" if client is not None else ""
+
+
 def _timeout(request: Request) -> float | None:
     raw = request.headers.get(TIMEOUT_HEADER)
     if raw is None:
@@ -139,7 +145,7 @@ class Handlers:
             body = await _json_body(request, self.cfg.http.max_request_bytes)
             parsed = decode(body, self.core.model, self.cfg.http.default_max_tokens)
             a = await run_blocking(self.pool, call.context(), self.core.admit, parsed.request, record,
-                                   _timeout(request))
+                                   _timeout(request), _peer(request))
             enc = Encoder(parsed.chat, self.core.model, a.request.request_id, parsed.include_usage)
             headers = {"x-request-id": a.request.request_id}
             if parsed.stream:

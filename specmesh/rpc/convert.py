@@ -19,6 +19,17 @@ def sampling_from_pb(opts: pb.SamplingOptions) -> SamplingParams:
     )
 
 
+def checked_sampling_from_pb(opts: pb.SamplingOptions, field: str = "sampling") -> SamplingParams:
+    """sampling_from_pb, validated (InvalidArgument naming e.g. sampling.top_p): an internal
+    service never samples with a NaN temperature or a top_p outside (0, 1]."""
+    params = sampling_from_pb(opts)
+    try:
+        params.validate()
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{field}.{exc.field}", str(exc).split(": ", 1)[1]) from None
+    return params
+
+
 def sampling_to_pb(params: SamplingParams) -> pb.SamplingOptions:
     opts = pb.SamplingOptions(temperature=params.temperature, top_p=params.top_p, top_k=params.top_k)
     if params.seed is not None:
@@ -72,12 +83,19 @@ def sparse_from_pb(sparse: pb.SparseProbs, tokens: list[int], vocab_size: int) -
     out = torch.zeros(len(tokens), vocab_size)
     rows = np.repeat(np.arange(len(tokens)), lengths)
     out[torch.from_numpy(rows), torch.from_numpy(ids)] = torch.from_numpy(vals.copy())
-    sums = out.sum(dim=1)
-    if len(tokens) and ((sums - 1).abs() > 1e-3).any():
-        raise InvalidArgument("sparse_probs", "each row must sum to 1")
-    if any(out[i, t] <= 0 for i, t in enumerate(tokens)):
-        raise InvalidArgument("sparse_probs", "a drafted token lies outside the distribution it was drawn from")
-    return out
+    return check_rows(out, tokens, "sparse_probs")
+
+
+def check_rows(probs: torch.Tensor, tokens: list[int], field: str) -> torch.Tensor:
+    """probs [k, V] must be distributions (finite, >= 0, each row summing to 1) in which each drafted
+    token has mass: rejection sampling divides by them, so a NaN or a negative row breaks it."""
+    if len(tokens) and (not torch.isfinite(probs).all() or (probs < 0).any()):
+        raise InvalidArgument(field, "values must be finite and >= 0")
+    if len(tokens) and ((probs.sum(dim=1) - 1).abs() > 1e-3).any():
+        raise InvalidArgument(field, "each row must sum to 1")
+    if any(probs[i, t] <= 0 for i, t in enumerate(tokens) if 0 <= t < probs.shape[1]):
+        raise InvalidArgument(field, "a drafted token lies outside the distribution it was drawn from")
+    return probs
 
 
 def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missing_features: bool = False,
@@ -87,8 +105,12 @@ def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missi
     tree = list(parents) or None
     if tree is not None and len(tree) != len(tokens):
         raise InvalidArgument("draft_parents", f"{len(tree)} parents for {len(tokens)} draft tokens")
-    dist = sparse_from_pb(sparse, tokens, vocab_size) if sparse is not None and sparse.row_lengths \
-        else probs_from_bytes(probs, len(tokens), vocab_size)
+    if sparse is not None and sparse.row_lengths:
+        dist = sparse_from_pb(sparse, tokens, vocab_size)
+    else:
+        dist = probs_from_bytes(probs, len(tokens), vocab_size)
+        if dist is not None:
+            check_rows(dist, tokens, "draft_probs")
     return DraftProposal(tokens, dist, tree, missing_features)
 
 

@@ -56,6 +56,54 @@ def _handle(context: grpc.ServicerContext, exc: Exception):
     _abort(context, exc)
 
 
+class Undecodable:
+    """Stands in for a request its method's message type cannot parse (invalid UTF-8 in a string,
+    a corrupt wire format, nesting past the parser's limit): the handler answers INVALID_ARGUMENT,
+    where gRPC itself would answer INTERNAL ("Exception deserializing request!")."""
+
+    def __init__(self, error: BaseException):
+        self.error = error
+
+
+def _lenient(deserialize):
+    def parse(data: bytes):
+        try:
+            return deserialize(data)
+        except Exception as exc:  # noqa: BLE001 - DecodeError, RecursionError, ...
+            return Undecodable(exc)
+
+    return parse
+
+
+def _refuse_undecodable(request) -> None:
+    if isinstance(request, Undecodable):
+        raise errors.InvalidArgument("request", f"not a valid message of this method's type "
+                                                f"({type(request.error).__name__})")
+
+
+def guard_decoding(handler):
+    """handler (a grpc.RpcMethodHandler) raising InvalidArgument for an undecodable request; wrap
+    it in the error mapping (map_errors, or wrap_unary / wrap_stream) to answer the status."""
+    if handler is None or handler.request_deserializer is None or not (handler.unary_unary or handler.unary_stream):
+        return handler  # client-streaming methods (reflection) keep gRPC's own decoding
+    handler = handler._replace(request_deserializer=_lenient(handler.request_deserializer))
+    if handler.unary_unary:
+        inner_unary = handler.unary_unary
+
+        def unary(request, context):
+            _refuse_undecodable(request)
+            return inner_unary(request, context)
+
+        return handler._replace(unary_unary=unary)
+    inner_stream = handler.unary_stream
+
+    def stream(request, context):
+        _refuse_undecodable(request)
+        yield from inner_stream(request, context)
+
+    return handler._replace(unary_stream=stream)
+
+
 def _wrap_unary(fn):
     def handler(request, context):
         try:
@@ -85,16 +133,20 @@ wrap_unary = _wrap_unary  # for interceptors that compose the mapping with their
 wrap_stream = _wrap_stream
 
 
+def map_errors(handler):
+    """handler with the typed-error mapping around its unary or server-streaming function."""
+    if handler is None:
+        return None
+    if handler.unary_unary:
+        return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
+    if handler.unary_stream:
+        return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
+    return handler
+
+
 class ErrorInterceptor(grpc.ServerInterceptor):
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
-        if handler is None:
-            return None
-        if handler.unary_unary:
-            return handler._replace(unary_unary=_wrap_unary(handler.unary_unary))
-        if handler.unary_stream:
-            return handler._replace(unary_stream=_wrap_stream(handler.unary_stream))
-        return handler
+        return map_errors(guard_decoding(continuation(handler_call_details)))
 
 
 def raise_from_rpc(err: grpc.RpcError, hop: str) -> None:

@@ -18,8 +18,21 @@ from specmesh.tokenization import PromptEncoder
 
 @dataclass(frozen=True)
 class Limits:
+    """Sizes a request may have (gateway.* in the config; docs/reliability.md)."""
+
     max_tokens: int
     max_stop_strings: int
+    max_stop_chars: int = 128
+    max_messages: int = 128
+    max_request_id_chars: int = 128
+    max_prompt_bytes: int = 262144
+    max_prompt_tokens: int = 0  # 0: the model's context window
+
+    @classmethod
+    def from_config(cls, gw) -> "Limits":
+        """gw: specmesh.config.GatewayConfig (the coordinator checks the same limits)."""
+        return cls(gw.max_tokens_limit, gw.max_stop_strings, gw.max_stop_chars, gw.max_messages,
+                   gw.max_request_id_chars, gw.max_prompt_bytes, gw.max_prompt_tokens)
 
 
 def _sampling(req) -> SamplingParams:
@@ -62,19 +75,45 @@ def _stop(req, limits: Limits) -> tuple[str, ...]:
         raise InvalidArgument("stop", f"at most {limits.max_stop_strings} stop strings")
     if any(not s for s in req.stop):
         raise InvalidArgument("stop", "stop strings must not be empty")
+    if any(len(s) > limits.max_stop_chars for s in req.stop):
+        raise InvalidArgument("stop", f"a stop string may hold at most {limits.max_stop_chars} characters")
     return tuple(req.stop)
 
 
-def _prompt_ids(req, encoder: PromptEncoder) -> list[int]:
+def valid_request_id(rid: str, limits: Limits) -> bool:
+    """Forwarded as gRPC metadata and logged: printable ASCII, no spaces, bounded."""
+    return len(rid) <= limits.max_request_id_chars and all("!" <= ch <= "~" for ch in rid)
+
+
+def _request_id(req, limits: Limits) -> None:
+    if not valid_request_id(req.request_id, limits):
+        raise InvalidArgument("request_id", f"at most {limits.max_request_id_chars} printable ASCII characters, "
+                                            "no spaces")
+
+
+def _prompt_ids(req, encoder: PromptEncoder, limits: Limits) -> list[int]:
     which = req.WhichOneof("input")
     if which == "messages":
+        field = "messages"
         if not req.messages.messages:
             raise InvalidArgument("messages", "must hold at least one message")
-        msgs = [(m.role, m.content) for m in req.messages.messages]
-        return encoder.encode(None, msgs)
-    if which != "prompt" or not req.prompt:
-        raise InvalidArgument("prompt", "must not be empty (send prompt or messages)")
-    return encoder.encode(req.prompt, None, raw=req.raw)
+        if len(req.messages.messages) > limits.max_messages:
+            raise InvalidArgument("messages", f"at most {limits.max_messages} messages")
+        size = sum(len(m.content.encode()) for m in req.messages.messages)
+    else:
+        field = "prompt"
+        if which != "prompt" or not req.prompt:
+            raise InvalidArgument("prompt", "must not be empty (send prompt or messages)")
+        size = len(req.prompt.encode())
+    if size > limits.max_prompt_bytes:  # before tokenizing: a huge text costs seconds of CPU
+        raise InvalidArgument(field, f"{size} bytes of text; at most {limits.max_prompt_bytes}")
+    if field == "messages":
+        ids = encoder.encode(None, [(m.role, m.content) for m in req.messages.messages])
+    else:
+        ids = encoder.encode(req.prompt, None, raw=req.raw)
+    if limits.max_prompt_tokens and len(ids) > limits.max_prompt_tokens:
+        raise InvalidArgument(field, f"{len(ids)} prompt tokens; at most {limits.max_prompt_tokens}")
+    return ids
 
 
 def decode_request(req, encoder: PromptEncoder, limits: Limits, spec: SpeculativeConfig,
@@ -85,7 +124,8 @@ def decode_request(req, encoder: PromptEncoder, limits: Limits, spec: Speculativ
     method, k = _speculation(req, spec)
     tree_budget = _tree_budget(req, spec)
     stop = _stop(req, limits)
-    prompt_ids = _prompt_ids(req, encoder)
+    _request_id(req, limits)
+    prompt_ids = _prompt_ids(req, encoder, limits)
     if len(prompt_ids) + req.max_tokens > encoder.context_window:
         raise InvalidArgument("max_tokens", f"prompt ({len(prompt_ids)} tokens) + max_tokens ({req.max_tokens}) "
                                             f"exceeds the {encoder.context_window}-token context window")

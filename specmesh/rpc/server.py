@@ -100,7 +100,8 @@ def service_options(cfg, role: str) -> dict:
     opts = dict(metrics_port=getattr(cfg.metrics, f"{role}_port"), metrics_host=cfg.metrics.host,
                 grace_s=cfg.shutdown.grace_s, min_workers=bp.max_inflight + bp.max_queue + 8)
     if role == "gateway":
-        opts.update(credentials=public_server_credentials(cfg.tls.public), public=True)
+        opts.update(credentials=public_server_credentials(cfg.tls.public), public=True,
+                    max_message_bytes=cfg.gateway.max_message_bytes)
     return opts
 
 
@@ -110,22 +111,29 @@ class Service:
 
     credentials: MESH (default: mesh mTLS if configured), None (plaintext) or ServerCredentials.
     public: the interceptor trusts no x-specmesh-* metadata from callers (the gateway's port).
-    ready_on_start=False: NOT_SERVING until set_serving(True) (the gateway's probe decides)."""
+    ready_on_start=False: NOT_SERVING until set_serving(True) (the gateway's probe decides).
+    max_message_bytes: the largest request accepted (RESOURCE_EXHAUSTED beyond, answered by gRPC).
+    RPCs at once are bounded too: four times the handler threads, beyond that RESOURCE_EXHAUSTED (gRPC),
+    so a flood of calls never queues without limit."""
 
     def __init__(self, name: str, listen: str, register: Callable[[grpc.Server], None], max_workers: int, *,
                  credentials=MESH, public: bool = False, metrics_port: int = 0, metrics_host: str = "127.0.0.1",
-                 grace_s: float = 10.0, min_workers: int = 0, ready_on_start: bool = True):
+                 grace_s: float = 10.0, min_workers: int = 0, ready_on_start: bool = True,
+                 max_message_bytes: int = MAX_MESSAGE_BYTES):
         self.name = name
         self.role = ROLES.get(name.rsplit(".", 1)[-1], name)
         tracing.setup_tracing(self.role)
         self.draining = False  # health stays NOT_SERVING
         self.refusing = False  # new RPCs get UNAVAILABLE (set by stop())
         self.interceptor = ServerInterceptor(self.role, public=public, refusing=lambda: self.refusing)
+        threads = max(max_workers, min_workers)
         self.server = grpc.server(
-            futures.ThreadPoolExecutor(max_workers=max(max_workers, min_workers), thread_name_prefix=self.role),
+            futures.ThreadPoolExecutor(max_workers=threads, thread_name_prefix=self.role),
             interceptors=[self.interceptor],
             # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
-            options=CHANNEL_OPTIONS + [("grpc.so_reuseport", 0)],
+            options=[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"]
+            + [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)],
+            maximum_concurrent_rpcs=4 * threads,
         )
         recorder = reflection.ServiceRecorder(self.server)
         register(recorder)

@@ -18,7 +18,7 @@ from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
-from specmesh.rpc.errors import wrap_stream, wrap_unary
+from specmesh.rpc.errors import guard_decoding, map_errors, wrap_stream, wrap_unary
 from specmesh.telemetry import context as reqctx
 from specmesh.telemetry import metrics, tracing
 
@@ -146,12 +146,12 @@ class ServerInterceptor(grpc.ServerInterceptor):
             context.abort(grpc.StatusCode.UNAVAILABLE, f"{self.service} is shutting down; retry elsewhere")
 
     def intercept_service(self, continuation, handler_call_details):
-        handler = continuation(handler_call_details)
+        handler = guard_decoding(continuation(handler_call_details))  # garbage in: INVALID_ARGUMENT
         if handler is None:
             return None
         method = handler_call_details.method
         if method.startswith(HEALTH_PREFIX):
-            return handler
+            return map_errors(handler)
         if handler.unary_unary:
             return handler._replace(unary_unary=self._unary(method, wrap_unary(handler.unary_unary)))
         if handler.unary_stream:

@@ -1,0 +1,107 @@
+"""`specmesh chaos`: the reliability suite against a mesh it starts on loopback and stops itself.
+
+Parts (--parts, comma-separated): fuzz, limits, security. soak and faults are planned (issue 14)
+and refused until they exist. Each part writes <out>/<part>.json; --docs refreshes the tables in
+docs/reliability.md. Exit 0 only when every part passed and every mesh process is still up.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from pathlib import Path
+
+PARTS = ("fuzz", "limits", "security")
+PLANNED = ("soak", "faults")
+
+
+def add_commands(sub) -> None:
+    p = sub.add_parser("chaos", help="reliability suite: fuzz, limits, security against a throw-away mesh")
+    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument("--seed", type=int, default=1)
+    p.add_argument("--cases", type=int, default=2000, help="public-API fuzz cases")
+    p.add_argument("--internal-cases", type=int, default=500, help="internal-service fuzz cases")
+    p.add_argument("--only", help="replay these cases alone, e.g. public:12,internal:3")
+    p.add_argument("--concurrency", type=int, default=4)
+    p.add_argument("--deadline", type=float, default=60.0, help="per-call deadline (s); past it: a hang")
+    p.add_argument("--time-limit", type=float, default=60.0, help="minutes the fuzz may run; later cases: not run")
+    p.add_argument("--out", default="artifacts/chaos", help="directory for <part>.json")
+    p.add_argument("--docs", help="refresh the tables in this markdown file (docs/reliability.md)")
+    p.add_argument("--workdir", help="keep the mesh's config, keys, certificates and logs here")
+    p.add_argument("--no-tls", action="store_true", help="plaintext mesh ports (the mTLS checks then fail)")
+    p.set_defaults(fn=run)
+
+
+def _parts(raw: str) -> list[str]:
+    parts = [p.strip() for p in raw.split(",") if p.strip()]
+    planned = [p for p in parts if p in PLANNED]
+    unknown = [p for p in parts if p not in PARTS + PLANNED]
+    if planned or unknown:
+        raise ValueError(f"parts {', '.join(planned + unknown)}: " + ("not built yet" if planned else "unknown")
+                         + f" (have: {', '.join(PARTS)})")
+    return parts
+
+
+def run_part(part: str, mesh, args, log) -> tuple[dict, str]:
+    from specmesh.reliability import fuzz, limits, report, security
+    from specmesh.tokenization import model_encoder
+
+    if part == "fuzz":
+        only = args.only.split(",") if args.only else None
+        res = fuzz.to_json(fuzz.run_fuzz(mesh, mesh.cfg, args.seed, args.cases, args.internal_cases,
+                                         args.concurrency, args.deadline, only, log, args.time_limit * 60))
+        return res, report.fuzz_markdown(res, _run_facts(args))
+    if part == "limits":
+        model = fuzz.model_facts(mesh, mesh.cfg)
+        res = limits.to_json(limits.public_rows(mesh, model_encoder(mesh.cfg.model)) + limits.internal_rows(mesh, model))
+        return res, report.limits_markdown(res)
+    checks = (security.mtls_checks(mesh) + security.admin_checks(mesh) + security.text_checks(mesh, mesh.logs)
+              + security.bind_checks(mesh.pids(), mesh.logs))
+    res = security.to_json(checks)
+    return res, report.security_markdown(res)
+
+
+def _run_facts(args) -> dict:
+    import os
+
+    cmd = f"specmesh chaos --parts {args.parts} --seed {args.seed} --cases {args.cases} " \
+          f"--internal-cases {args.internal_cases} --concurrency {args.concurrency}"
+    return {"when": time.strftime("%Y-%m-%d"), "command": cmd,
+            "machine": f"{platform.machine()}, {os.cpu_count()} CPUs (shared)"}
+
+
+def run(args) -> int:
+    from specmesh.reliability import report
+    from specmesh.reliability.harness import start_suite_mesh
+
+    try:
+        parts = _parts(args.parts)
+    except ValueError as exc:
+        print(f"specmesh chaos: {exc}", file=sys.stderr)
+        return 2
+    log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    mesh = start_suite_mesh(Path(args.workdir) if args.workdir else None, tls=not args.no_tls)
+    log(f"chaos: mesh up in {time.monotonic() - t0:.0f}s (logs: {mesh.log_dir})")
+    passed = True
+    try:
+        for part in parts:
+            started = time.monotonic()
+            res, markdown = run_part(part, mesh, args, log)
+            res["seconds"] = res.get("seconds", round(time.monotonic() - started, 1))
+            dead = mesh.dead()
+            res["processes_after"] = "all up" if not dead else "died: " + ", ".join(dead)
+            passed = passed and res["passed"] and not dead
+            (out / f"{part}.json").write_text(json.dumps(res, indent=1, default=str))
+            log(f"chaos: {part} {'passed' if res['passed'] and not dead else 'FAILED'} in "
+                f"{time.monotonic() - started:.0f}s -> {out / (part + '.json')}")
+            if args.docs:
+                report.update_doc(Path(args.docs), part, markdown)
+    finally:
+        mesh.stop()
+    log(f"chaos: {'PASSED' if passed else 'FAILED'} in {time.monotonic() - t0:.0f}s")
+    return 0 if passed else 1
