@@ -1,7 +1,7 @@
 """`specmesh chaos`: the reliability suite against a mesh it starts on loopback and stops itself.
 
-Parts (--parts, comma-separated): fuzz, limits, security. soak and faults are planned (issue 14)
-and refused until they exist. Each part writes <out>/<part>.json; --docs refreshes the tables in
+Parts (--parts, comma-separated): fuzz, limits, security (the default), soak. faults is planned
+(issue 14) and refused until it exists. Each part writes <out>/<part>.json; --docs refreshes the tables in
 docs/reliability.md. Exit 0 only when every part passed and every mesh process is still up.
 """
 
@@ -13,13 +13,14 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("fuzz", "limits", "security")
-PLANNED = ("soak", "faults")
+PARTS = ("fuzz", "limits", "security", "soak")
+DEFAULT_PARTS = ("fuzz", "limits", "security")
+PLANNED = ("faults",)
 
 
 def add_commands(sub) -> None:
     p = sub.add_parser("chaos", help="reliability suite: fuzz, limits, security against a throw-away mesh")
-    p.add_argument("--parts", default=",".join(PARTS), help=f"comma list of {', '.join(PARTS)}")
+    p.add_argument("--parts", default=",".join(DEFAULT_PARTS), help=f"comma list of {', '.join(PARTS)}")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--cases", type=int, default=2000, help="public-API fuzz cases")
     p.add_argument("--internal-cases", type=int, default=500, help="internal-service fuzz cases")
@@ -27,6 +28,8 @@ def add_commands(sub) -> None:
     p.add_argument("--concurrency", type=int, default=4)
     p.add_argument("--deadline", type=float, default=60.0, help="per-call deadline (s); past it: a hang")
     p.add_argument("--time-limit", type=float, default=60.0, help="minutes the fuzz may run; later cases: not run")
+    p.add_argument("--soak-clients", type=int, default=32, help="concurrent streaming clients of the soak")
+    p.add_argument("--soak-seconds", type=float, default=600.0)
     p.add_argument("--out", default="artifacts/chaos", help="directory for <part>.json")
     p.add_argument("--docs", help="refresh the tables in this markdown file (docs/reliability.md)")
     p.add_argument("--workdir", help="keep the mesh's config, keys, certificates and logs here")
@@ -57,6 +60,12 @@ def run_part(part: str, mesh, args, log) -> tuple[dict, str]:
         model = fuzz.model_facts(mesh, mesh.cfg)
         res = limits.to_json(limits.public_rows(mesh, model_encoder(mesh.cfg.model)) + limits.internal_rows(mesh, model))
         return res, report.limits_markdown(res)
+    if part == "soak":
+        from specmesh.reliability import soak
+
+        res = soak.to_json(soak.run_soak(mesh, args.soak_clients, args.soak_seconds, args.seed),
+                           args.soak_clients, args.soak_seconds)
+        return res, soak.markdown(res)
     checks = (security.mtls_checks(mesh) + security.admin_checks(mesh) + security.text_checks(mesh, mesh.logs)
               + security.bind_checks(mesh.pids(), mesh.logs))
     res = security.to_json(checks)

@@ -47,7 +47,7 @@ def suite_config(redis_url: str, pki: SuitePki | None, overrides: dict | None = 
         "coordinator": {"listen": co, "draft_workers": [dw], "target_workers": [tw], "local_ngram": False,
                         "draft_timeout_s": 10.0, "draft_retry_after_s": 1.0},
         "draft_worker": {"listen": dw, "methods": ["ngram", "draft_model", "block"], "cache_max_sequences": 64},
-        "target_worker": {"listen": tw, "cache": {"max_tokens": 16384, "max_sequences": 32}},
+        "target_worker": {"listen": tw, "cache": {"max_tokens": 16384, "max_sequences": 48}},
         "auth": {"required": True, "redis_url": redis_url, "key_prefix": KEY_PREFIX},
         "metrics": {"host": "127.0.0.1", "gateway_port": -1, "coordinator_port": -1, "draft_worker_port": -1,
                     "target_worker_port": -1},
@@ -104,6 +104,13 @@ class SuiteMesh:
 
     def metadata(self, key: str = "user") -> list[tuple[str, str]]:
         return [("authorization", f"Bearer {self.keys[key]}")]
+
+    def add_key(self, name: str) -> str:
+        """A new (non-admin) API key in the suite's Redis, used by name: metadata(name)."""
+        from specmesh.auth.store import KeyStore, connect
+
+        self.keys[name] = KeyStore(connect(self.redis.url), KEY_PREFIX).create(name)[0]
+        return name
 
     def pids(self) -> dict[str, int]:
         return {c.name: c.proc.pid for c in self.launcher.children} if self.launcher else {}
