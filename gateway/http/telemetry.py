@@ -13,9 +13,7 @@ import contextvars
 import logging
 import threading
 import time
-from contextlib import contextmanager
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
@@ -39,14 +37,8 @@ class HttpCall:
         self.finished = False
         metrics.INFLIGHT.labels(SERVICE).inc()
 
-    @contextmanager
     def active(self):
-        token = otel_context.attach(self.otel_ctx)
-        try:
-            with reqctx.active(self.info):
-                yield
-        finally:
-            otel_context.detach(token)
+        return reqctx.active_with_trace(self.otel_ctx, self.info)
 
     def context(self) -> contextvars.Context:
         """A copy of the current context with this request's span and info in force (for a thread)."""

@@ -72,3 +72,17 @@ def from_metadata(service: str, method: str, metadata) -> RequestInfo:
     md = {k: v for k, v in (metadata or ())}
     return RequestInfo(service, method, request_id=str(md.get(REQUEST_ID_KEY, "")),
                        key_name=str(md.get(KEY_NAME_KEY, "")), probe=PROBE_KEY in md, arm=str(md.get(ARM_KEY, "")))
+
+
+@contextmanager
+def active_with_trace(otel_ctx, info: RequestInfo | None) -> Iterator[None]:
+    """A request's trace context (OpenTelemetry) and its info in force together: what a servicer
+    runs under, whichever front (gRPC interceptor, HTTP) received the request."""
+    from opentelemetry import context as otel_context
+
+    token = otel_context.attach(otel_ctx)
+    try:
+        with active(info):
+            yield
+    finally:
+        otel_context.detach(token)

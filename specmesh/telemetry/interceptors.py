@@ -11,10 +11,8 @@ import collections
 import logging
 import threading
 import time
-from contextlib import contextmanager
 
 import grpc
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 from opentelemetry.trace import Status, StatusCode
 
@@ -65,14 +63,8 @@ class _Rpc:
         if counter is not None:
             counter.add(1)
 
-    @contextmanager
     def active(self):
-        token = otel_context.attach(self.otel_ctx)
-        try:
-            with reqctx.active(self.info):
-                yield
-        finally:
-            otel_context.detach(token)
+        return reqctx.active_with_trace(self.otel_ctx, self.info)
 
     def finish(self, context, exc: BaseException | None) -> None:
         code = _code(context, exc)
