@@ -173,15 +173,27 @@ class TargetLease:
 class TargetPool:
     """Picks a target worker per new sequence (most free KV capacity; see the module doc)."""
 
-    def __init__(self, addresses: tuple[str, ...] = (), retry_after_s: float = 2.0):
+    def __init__(self, addresses: tuple[str, ...] = (), retry_after_s: float = 2.0, fingerprint: str = ""):
         self.members = Members(addresses, GrpcTargetClient, "target")
         self.retry_after_s = retry_after_s
+        self.fingerprint = fingerprint  # the model this coordinator serves ("" = not compared)
+        self._refused: set[str] = set()
 
     @property
     def clients(self) -> list[GrpcTargetClient]:
         return [m.client for m in self.members.snapshot()]
 
     def update(self, records) -> None:
+        """Registry records; a target serving another model than this coordinator's (its manifest's
+        fingerprint differs: changed weights, another version) is never routed to."""
+        records = list(records)
+        if self.fingerprint:
+            for r in records:
+                if r.fingerprint and r.fingerprint != self.fingerprint and r.worker_id not in self._refused:
+                    self._refused.add(r.worker_id)
+                    log.warning("target worker %s (%s) serves model %s, not this coordinator's %s: not used",
+                                r.address, r.worker_id, r.fingerprint, self.fingerprint)
+            records = [r for r in records if not r.fingerprint or r.fingerprint == self.fingerprint]
         self.members.update(records)
 
     def pick(self, exclude=(), prompt_tokens: int = 0) -> TargetLease:
@@ -265,12 +277,12 @@ class GrpcDraftPool:
             m.client.stub.Release.future(pb.ReleaseDraftRequest(seq_id=seq_id), timeout=2.0)
 
 
-def pools_from_config(cfg, ccfg=None):
+def pools_from_config(cfg, ccfg=None, fingerprint: str = ""):
     """(TargetPool, GrpcDraftPool, watcher|None): static lists, or fed by the registry when
     registry.url is set (then coordinator.*_workers are ignored)."""
     ccfg = ccfg or cfg.coordinator
     dynamic = bool(cfg.registry.url)
-    targets = TargetPool(() if dynamic else ccfg.target_workers, ccfg.draft_retry_after_s)
+    targets = TargetPool(() if dynamic else ccfg.target_workers, ccfg.draft_retry_after_s, fingerprint)
     drafts = GrpcDraftPool(() if dynamic else ccfg.draft_workers, ccfg.draft_retry_after_s)
     watcher = None
     if dynamic:

@@ -19,6 +19,8 @@ from specmesh.core.goodput import RateBook
 from specmesh.core.ngram import propose_ngram
 from specmesh.core.types import FeatureSpec, GenerationRequest
 from specmesh.config import ConfigError, MeshConfig
+from specmesh.engine.loader import resolve_model_dir
+from specmesh.engine.manifest import model_fingerprint
 from specmesh.errors import ModelIntegrityError
 from specmesh.registry.worker import WorkerLifecycle
 from specmesh.rpc.convert import stats_to_pb
@@ -147,7 +149,8 @@ def main(argv=None) -> int:
         print(f"coordinator: refusing to start: {exc}", file=sys.stderr)
         return 2
     opts = service_options(cfg, "coordinator")  # first: turns mesh mTLS on for the channels made next
-    targets, drafts, watcher = pools_from_config(cfg, ccfg)
+    targets, drafts, watcher = pools_from_config(cfg, ccfg, model_fingerprint(resolve_model_dir(cfg.model.name,
+                                                                                                cfg.model.path)))
     servicer = CoordinatorServicer(cfg, encoder, targets, drafts)
 
     def register(server) -> None:

@@ -1,5 +1,7 @@
 """Admin service on the public port: an admin API key is required (always, whatever auth mode);
-the call is forwarded to the coordinator, which holds the state."""
+the call is forwarded to the coordinator, which holds the state. With several coordinators named
+(gateway.coordinator "ip:port,ip:port") SetSpeculation is set on each, in order, and the reads
+answer from the first."""
 
 from __future__ import annotations
 
@@ -16,8 +18,9 @@ log = logging.getLogger(__name__)
 
 
 class GatewayAdminServicer(apb_grpc.AdminServicer):
-    def __init__(self, guard, admin_stub, max_deadline_s: float = 30.0):
-        self.guard, self.stub, self.max_deadline_s = guard, admin_stub, max_deadline_s
+    def __init__(self, guard, admin_stubs, max_deadline_s: float = 30.0):
+        self.stubs = admin_stubs if isinstance(admin_stubs, (list, tuple)) else [admin_stubs]
+        self.guard, self.stub, self.max_deadline_s = guard, self.stubs[0], max_deadline_s
 
     def _authorize(self, context) -> str:
         rec = self.guard.authenticate(bearer_token(context.invocation_metadata()), admin=True)
@@ -47,7 +50,7 @@ class GatewayAdminServicer(apb_grpc.AdminServicer):
     def SetSpeculation(self, request, context):
         who = self._authorize(context)
         try:
-            state = self.stub.SetSpeculation(request, timeout=self._timeout(context))
+            state = [s.SetSpeculation(request, timeout=self._timeout(context)) for s in self.stubs][0]
         except grpc.RpcError as err:
             raise_from_rpc(err, "coordinator")
         keys = ",".join(state.keys) or "(all)"

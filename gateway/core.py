@@ -65,7 +65,10 @@ class GatewayCore:
         self.streams = StreamLimits(cfg.gateway.max_streams_per_connection, cfg.gateway.max_streams_per_key)
         self.channel = make_channel(cfg.gateway.coordinator)
         self.coordinator = pb_grpc.CoordinatorStub(self.channel)
-        self.admin = apb_grpc.AdminStub(self.channel)
+        # Admin: one stub per coordinator named (a switch is set on each); one for a dns:/// target
+        coords = cfg.gateway.coordinator.split(",")
+        self.admin_channels = [make_channel(a) for a in coords] if len(coords) > 1 else [self.channel]
+        self.admins = [apb_grpc.AdminStub(ch) for ch in self.admin_channels]
         self.model = model_name(cfg)
 
     def authenticate(self, api_key: str | None):

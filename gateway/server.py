@@ -60,7 +60,7 @@ def main(argv=None) -> int:
 
     def register(server) -> None:
         pb_grpc.add_GatewayServicer_to_server(servicer, server)
-        apb_grpc.add_AdminServicer_to_server(GatewayAdminServicer(servicer.guard, servicer.admin), server)
+        apb_grpc.add_AdminServicer_to_server(GatewayAdminServicer(servicer.guard, servicer.admins), server)
 
     service = Service("specmesh.v1.Gateway", cfg.gateway.listen, register, cfg.gateway.max_workers,
                       ready_on_start=False, **opts)  # NOT_SERVING until the mesh probe succeeds

@@ -55,6 +55,20 @@ def _check_address(value: str, key: str) -> None:
            f"{value!r} is not host:port")
 
 
+def _check_coordinators(value: str, key: str) -> None:
+    """host:port, a dns:/// target, or several ip:port separated by commas (see coordinator_target)."""
+    if value.startswith("dns:///"):
+        _check_address(value[len("dns:///"):], key)
+        return
+    addresses = value.split(",")
+    for address in addresses:
+        _check_address(address.strip(), key)
+    if len(addresses) > 1:
+        hosts = [a.strip().rpartition(":")[0] for a in addresses]
+        _check(all(h == "localhost" or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", h) for h in hosts), key,
+               "several coordinators must be IPv4 ip:port (or one dns:///name:port that resolves to them)")
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     name: str = "smollm2-135m-instruct"  # a model pinned in specmesh/manifests (fetched by fetch-model)
@@ -133,6 +147,8 @@ class RuntimeConfig:
 @dataclass(frozen=True)
 class GatewayConfig:
     listen: str = "127.0.0.1:50051"
+    # host:port; several coordinators: "ip:port,ip:port" (IP literals) or a dns:///name:port target
+    # resolving to them; calls go round-robin, skip a replica that is down and retry a refused one
     coordinator: str = "127.0.0.1:50052"
     max_tokens_limit: int = 2048  # largest max_tokens a request may ask for
     max_stop_strings: int = 16
@@ -150,7 +166,7 @@ class GatewayConfig:
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
-        _check_address(self.coordinator, f"{key}.coordinator")
+        _check_coordinators(self.coordinator, f"{key}.coordinator")
         _check(self.max_tokens_limit >= 1, f"{key}.max_tokens_limit", "must be >= 1")
         for name in ("max_stop_strings", "max_prompt_tokens", "max_streams_per_key"):
             _check(getattr(self, name) >= 0, f"{key}.{name}", "must be >= 0")

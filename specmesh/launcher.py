@@ -9,8 +9,9 @@ With `http.listen` set every gateway also serves the OpenAI-compatible HTTP fron
 http.listen, extra replicas on free ports (SPECMESH_HTTP__LISTEN); `up` prints their URLs.
 
 Wiring: without a registry the launcher passes the static lists: every coordinator gets all the
-worker addresses (SPECMESH_COORDINATOR__DRAFT_WORKERS / __TARGET_WORKERS) and gateway i talks to
-coordinator i mod C. With a registry (redis_url, or "local": a redis-server started and stopped
+worker addresses (SPECMESH_COORDINATOR__DRAFT_WORKERS / __TARGET_WORKERS). Every gateway talks to
+every coordinator (round-robin; a dead one is skipped, a refused call retried on the next) when
+their addresses are IPv4 literals, else gateway i to coordinator i mod C. With a registry (redis_url, or "local": a redis-server started and stopped
 with the mesh) every child gets SPECMESH_REGISTRY__URL: workers register, coordinators watch.
 
 Every child starts at once (nothing needs another at start: channels connect lazily); the mesh
@@ -23,6 +24,7 @@ gateway, coordinator or target worker is gone the rest are stopped too.
 from __future__ import annotations
 
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -149,7 +151,10 @@ class Mesh:
             env["SPECMESH_COORDINATOR__TARGET_WORKERS"] = "[" + ", ".join(self.addresses["target_worker"]) + "]"
         if service == "gateway":
             coords = self.addresses["coordinator"]
-            env["SPECMESH_GATEWAY__COORDINATOR"] = coords[index % len(coords)]
+            every = all(re.fullmatch(r"(\d+\.){3}\d+|localhost", a.rpartition(":")[0]) for a in coords)
+            # every gateway over every coordinator (round-robin, a dead one skipped) where the
+            # addresses allow it (IPv4 literals), else gateway i -> coordinator i mod C
+            env["SPECMESH_GATEWAY__COORDINATOR"] = ",".join(coords) if every else coords[index % len(coords)]
             if self.http:
                 env["SPECMESH_HTTP__LISTEN"] = self.http[index]
         return env
@@ -221,6 +226,23 @@ class Mesh:
         finally:
             reg.close()
         raise RuntimeError(f"workers did not all register in {self.redis_url}")
+
+    def respawn(self, name: str, extra_env: dict | None = None) -> Child:
+        """Start child `name` again, after it exited (what a supervisor's restart does): same module,
+        address and wiring; extra_env on top (e.g. another model). Does not wait for it."""
+        i, old = next((i, c) for i, c in enumerate(self.children) if c.name == name)
+        if old.proc.poll() is None:
+            raise RuntimeError(f"{name} is still running (pid {old.proc.pid})")
+        module = next(m for s, m, _ in SERVICES if s == old.service)
+        index = int(name.rsplit("_", 1)[1]) if name != old.service else 0
+        saved = self.env
+        self.env = {**saved, **(extra_env or {})}
+        try:
+            self.children[i] = self._spawn(name, module, old.address, old.service, index)
+        finally:
+            self.env = saved
+        self._reported.discard(name)
+        return self.children[i]
 
     def dead(self) -> Child | None:
         return next((c for c in self.children if c.proc.poll() is not None), None)

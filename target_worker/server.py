@@ -11,6 +11,7 @@ import threading
 from specmesh.config import MAX_DRAFT_TOKENS, ConfigError
 from specmesh.engine import cpu_gemm, rowexact
 from specmesh.engine.loader import dtype_name, load_configured_model
+from specmesh.engine.manifest import model_fingerprint
 from specmesh.errors import InvalidArgument, ModelIntegrityError, Unavailable
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
 from specmesh.rpc.convert import (checked_sampling_from_pb, cost_to_pb, feature_request_from_pb, features_to_pb,
@@ -97,7 +98,7 @@ def _reclaimer(engine: TargetEngine, interval_s: float, stop: threading.Event) -
         engine.reclaim_idle()
 
 
-def lifecycle_for(cfg, wcfg, servicer: TargetWorkerServicer, model: str) -> WorkerLifecycle:
+def lifecycle_for(cfg, wcfg, servicer: TargetWorkerServicer, model: str, fingerprint: str = "") -> WorkerLifecycle:
     """Registration (capacity + load) and drain: refuse new sequences, wait for live ones."""
     engine = servicer.engine
 
@@ -106,7 +107,7 @@ def lifecycle_for(cfg, wcfg, servicer: TargetWorkerServicer, model: str) -> Work
                 "queue": engine.batcher.qsize(), "verify_cost": engine.cost.as_dict()}
 
     return WorkerLifecycle(
-        cfg.registry, "target", model=model, load_fn=load,
+        cfg.registry, "target", model=model, fingerprint=fingerprint, load_fn=load,
         capacity={"max_sequences": wcfg.cache.max_sequences, "max_tokens": wcfg.cache.max_tokens,
                   "max_batch_size": wcfg.max_batch_size},
         begin_drain=lambda: setattr(servicer, "draining", True),
@@ -131,8 +132,8 @@ def main(argv=None) -> int:
                           max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant,
                           cpu_kernel=wcfg.cpu_kernel, batch_gather=wcfg.batch_gather)
     param = next(model.parameters())
-    log.info("target %s loaded: %s on %s, KV pool %d tokens (%.1f MB), CPU verify kernel %s (%.1f MB packed), "
-             "batch_invariant %s -> %s%s", model_dir, dtype_name(param.dtype), param.device, engine.pool.max_tokens,
+    log.info("target %s (%s) loaded: %s on %s, KV pool %d tokens (%.1f MB), CPU verify kernel %s (%.1f MB packed), "
+             "batch_invariant %s -> %s%s", model_dir, model_fingerprint(model_dir) or "no manifest", dtype_name(param.dtype), param.device, engine.pool.max_tokens,
              engine.pool.nbytes() / 1e6, engine.cpu_kernel, cpu_gemm.packed_bytes(model) / 1e6,
              wcfg.batch_invariant, engine.batch_invariant,
              f" (probed: batched rows bitwise the one-row calls up to {rowexact.probed(model)})"
@@ -146,7 +147,7 @@ def main(argv=None) -> int:
     stop = threading.Event()
     threading.Thread(target=_reclaimer, args=(engine, c.reclaim_interval_s, stop), daemon=True).start()
     service.start()
-    lifecycle_for(cfg, wcfg, servicer, str(model_dir)).attach(service)
+    lifecycle_for(cfg, wcfg, servicer, str(model_dir), model_fingerprint(model_dir)).attach(service)
     service.wait_for_signal(on_stop=lambda: (stop.set(), engine.close()))
     return 0
 

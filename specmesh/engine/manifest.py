@@ -24,6 +24,13 @@ _CHUNK = 1 << 20
 _FIX = "run `specmesh fetch-model` to re-download and rebuild it"
 
 
+def model_fingerprint(dir: Path | str) -> str:
+    """What a model directory is: "sha256:" + 16 hex of its MANIFEST.sha256 (which names every file's
+    checksum), or "" without a manifest (a user-supplied directory: identity unknown, not compared)."""
+    path = Path(dir) / MANIFEST_NAME
+    return f"sha256:{hashlib.sha256(path.read_bytes()).hexdigest()[:16]}" if path.is_file() else ""
+
+
 def sha256_file(path: Path | str, progress: bool = False) -> str:
     """Hex SHA-256 of a file, read in 1 MiB chunks; optional tqdm byte bar."""
     path = Path(path)

@@ -1,7 +1,7 @@
 """What a worker publishes about itself: one JSON record per worker, under a TTL key.
 
     key:   <namespace>:workers:<tier>:<worker_id>      (expires ttl_s after the last heartbeat)
-    value: {"worker_id", "tier", "address", "model", "methods", "capacity", "load", "draining",
+    value: {"worker_id", "tier", "address", "model", "fingerprint", "methods", "capacity", "load", "draining",
             "host", "pid", "started_at", "updated_at"}
 
 capacity / load per tier:
@@ -33,6 +33,7 @@ class WorkerRecord:
     tier: str
     address: str
     model: str = ""
+    fingerprint: str = ""  # target: engine.manifest.model_fingerprint of its model ("" = unknown)
     methods: tuple[str, ...] = ()
     capacity: dict = field(default_factory=dict)
     load: dict = field(default_factory=dict)

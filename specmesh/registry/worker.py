@@ -41,11 +41,12 @@ def advertise_address(listen: str, port: int, advertise_host: str | None = None)
 
 
 class WorkerLifecycle:
-    def __init__(self, rcfg, tier: str, *, model: str = "", methods=(), capacity: dict | None = None,
+    def __init__(self, rcfg, tier: str, *, model: str = "", fingerprint: str = "", methods=(), capacity: dict | None = None,
                  load_fn: Callable[[], dict] | None = None, begin_drain: Callable[[], None] | None = None,
                  is_idle: Callable[[], bool] | None = None, drain_timeout_s: float = 0.0):
         self.rcfg, self.tier = rcfg, tier
-        self.model, self.methods, self.capacity = model, tuple(methods), dict(capacity or {})
+        self.model, self.fingerprint = model, fingerprint
+        self.methods, self.capacity = tuple(methods), dict(capacity or {})
         self.load_fn, self.begin_drain = load_fn, begin_drain
         self.is_idle = is_idle or (lambda: True)
         self.drain_timeout_s = drain_timeout_s
@@ -59,8 +60,8 @@ class WorkerLifecycle:
         self.address = advertise_address(service.listen, service.port, self.rcfg.advertise_host)
         service.lifecycle = self
         if self.rcfg.url:
-            record = WorkerRecord(new_worker_id(self.tier), self.tier, self.address, self.model, self.methods,
-                                  self.capacity)
+            record = WorkerRecord(new_worker_id(self.tier), self.tier, self.address, self.model, self.fingerprint,
+                                  self.methods, self.capacity)
             self.registration = Registration(Registry.from_config(self.rcfg), record, self.load_fn,
                                              self.rcfg.heartbeat_interval_s).start()
         return self

@@ -8,6 +8,7 @@ context (client interceptor) and use mTLS once `configure_mesh_tls` was given th
 
 from __future__ import annotations
 
+import json
 import logging
 import signal
 import threading
@@ -36,6 +37,18 @@ CHANNEL_OPTIONS = [
     ("grpc.initial_reconnect_backoff_ms", 500),
     ("grpc.min_reconnect_backoff_ms", 500),
     ("grpc.max_reconnect_backoff_ms", 2000),
+    # a peer that stops answering (SIGSTOP, a hung host, a cut link) is found within ~15 s: its calls
+    # fail UNAVAILABLE (the coordinator then fails over, a client retries) instead of waiting out
+    # their deadline. Servers accept these pings (SERVER_OPTIONS) and ping their clients alike.
+    ("grpc.keepalive_time_ms", 10_000),
+    ("grpc.keepalive_timeout_ms", 5_000),
+    ("grpc.http2.ping_timeout_ms", 5_000),  # gRPC core waits this long for any ping's ack (default 60 s)
+    ("grpc.keepalive_permit_without_calls", 1),
+    ("grpc.http2.max_pings_without_data", 0),
+]
+SERVER_OPTIONS = [  # what a server needs beyond CHANNEL_OPTIONS: tolerate the clients' keepalive pings
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 5_000),
+    ("grpc.http2.max_ping_strikes", 0),
 ]
 ROLES = {"Gateway": "gateway", "Coordinator": "coordinator", "DraftWorker": "draft_worker",
          "TargetWorker": "target_worker", "Admin": "gateway"}
@@ -75,11 +88,32 @@ def public_server_credentials(public_cfg) -> grpc.ServerCredentials | None:
                                        root_certificates=ca, require_client_auth=ca is not None)
 
 
+# several replicas behind one channel: round-robin over the ready ones; a call refused UNAVAILABLE
+# before any answer (a replica just killed, or full) is tried again, on the next replica
+_REPLICAS_CONFIG = json.dumps({"loadBalancingConfig": [{"round_robin": {}}], "methodConfig": [{
+    "name": [{}], "retryPolicy": {"maxAttempts": 3, "initialBackoff": "0.2s", "maxBackoff": "1s",
+                                  "backoffMultiplier": 2, "retryableStatusCodes": ["UNAVAILABLE"]}}]})
+
+
+def replicas_target(value: str) -> tuple[str, list]:
+    """(gRPC target, extra channel options) for a config value naming one service's replicas:
+    "host:port" (one), "ip:port,ip:port" (several) or "dns:///name:port" (all its addresses)."""
+    if "," in value:
+        addrs = [a.strip().replace("localhost:", "127.0.0.1:") for a in value.split(",")]
+        return "ipv4:" + ",".join(addrs), [("grpc.service_config", _REPLICAS_CONFIG),
+                                           ("grpc.default_authority", addrs[0])]
+    if value.startswith("dns:///"):
+        return value, [("grpc.service_config", _REPLICAS_CONFIG)]
+    return value, []
+
+
 def make_channel(address: str, credentials: grpc.ChannelCredentials | None = None,
                  server_name: str | None = None) -> grpc.Channel:
-    """A channel to another service: mesh mTLS when configured (or the credentials given), and the
-    client interceptor that forwards trace context and request facts."""
-    options = list(CHANNEL_OPTIONS)
+    """A channel to another service (see replicas_target for several replicas): mesh mTLS when
+    configured (or the credentials given), and the client interceptor that forwards trace context
+    and request facts."""
+    address, extra = replicas_target(address)
+    options = list(CHANNEL_OPTIONS) + extra
     if credentials is None and _mesh_tls is not None:
         credentials, server_name = _mesh_tls.channel, server_name or _mesh_tls.server_name
     if server_name:
@@ -132,7 +166,7 @@ class Service:
             interceptors=[self.interceptor],
             # no SO_REUSEPORT: a second server on a taken port must fail, not share it silently
             options=[o for o in CHANNEL_OPTIONS if o[0] != "grpc.max_receive_message_length"]
-            + [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)],
+            + SERVER_OPTIONS + [("grpc.so_reuseport", 0), ("grpc.max_receive_message_length", max_message_bytes)],
             maximum_concurrent_rpcs=4 * threads,
         )
         recorder = reflection.ServiceRecorder(self.server)

@@ -121,7 +121,7 @@ def _servicers(mesh: InProcessMesh, target_model, encoder) -> dict:
 
     def reg_gateway(s):
         pb_grpc.add_GatewayServicer_to_server(gateway, s)
-        apb_grpc.add_AdminServicer_to_server(GatewayAdminServicer(gateway.guard, gateway.admin), s)
+        apb_grpc.add_AdminServicer_to_server(GatewayAdminServicer(gateway.guard, gateway.admins), s)
 
     return {"target_worker": ("specmesh.v1.TargetWorker", lambda s: pb_grpc.add_TargetWorkerServicer_to_server(target, s)),
             "draft_worker": ("specmesh.v1.DraftWorker", lambda s: pb_grpc.add_DraftWorkerServicer_to_server(draft, s)),

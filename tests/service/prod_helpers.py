@@ -145,7 +145,7 @@ def start_gateway(cfg, encoder, started: Started, guard=None, **service_kwargs):
 
     def register(server):
         pb_grpc.add_GatewayServicer_to_server(servicer, server)
-        apb_grpc.add_AdminServicer_to_server(GatewayAdminServicer(servicer.guard, servicer.admin), server)
+        apb_grpc.add_AdminServicer_to_server(GatewayAdminServicer(servicer.guard, servicer.admins), server)
 
     service_kwargs.setdefault("public", True)
     bp = cfg.backpressure.gateway

@@ -68,11 +68,20 @@ def test_static_wiring_passes_lists_and_spreads_gateways_over_coordinators():
     assert env["SPECMESH_COORDINATOR__TARGET_WORKERS"] == "[" + ", ".join(mesh.addresses["target_worker"]) + "]"
     assert env["SPECMESH_COORDINATOR__DRAFT_WORKERS"] == "[" + ", ".join(mesh.addresses["draft_worker"]) + "]"
     coords = mesh.addresses["coordinator"]
-    assert [mesh._child_env("gateway", i)["SPECMESH_GATEWAY__COORDINATOR"] for i in range(3)] == \
-        [coords[0], coords[1], coords[0]]
+    # IPv4 addresses: every gateway over every coordinator (round-robin), a valid gateway config
+    gw = [mesh._child_env("gateway", i)["SPECMESH_GATEWAY__COORDINATOR"] for i in range(3)]
+    assert gw == [",".join(coords)] * 3
+    assert load_config(environ={"SPECMESH_GATEWAY__COORDINATOR": gw[0]}).gateway.coordinator == gw[0]
     loaded = load_config(environ=env)  # the env a coordinator gets is a valid config
     assert loaded.coordinator.target_workers == tuple(mesh.addresses["target_worker"])
     assert "SPECMESH_REGISTRY__URL" not in env
+
+
+def test_gateways_by_host_name_are_spread_over_coordinators():
+    mesh = Mesh(cfg(), None, None, env={"PATH": "/bin"}, scale=Scale(1, 1, 2, 3))
+    mesh.addresses = {"coordinator": ["coord-a:1", "coord-b:2"]}
+    assert [mesh._child_env("gateway", i)["SPECMESH_GATEWAY__COORDINATOR"] for i in range(3)] == \
+        ["coord-a:1", "coord-b:2", "coord-a:1"]
 
 
 def test_registry_wiring_gives_every_child_the_url():
