@@ -1,7 +1,8 @@
 """`specmesh chaos`: the reliability suite against a mesh it starts on loopback and stops itself.
 
-Parts (--parts, comma-separated): fuzz, limits, security (the default), soak. faults is planned
-(issue 14) and refused until it exists. Each part writes <out>/<part>.json; --docs refreshes the tables in
+Parts (--parts, comma-separated): fuzz, limits, security (the default), soak, faults. faults runs
+on a mesh of its own (two replicas of every tier, the registry in the suite's Redis), after the
+others. Each part writes <out>/<part>.json; --docs refreshes the tables in
 docs/reliability.md. Exit 0 only when every part passed and every mesh process is still up.
 """
 
@@ -13,9 +14,9 @@ import sys
 import time
 from pathlib import Path
 
-PARTS = ("fuzz", "limits", "security", "soak")
+PARTS = ("fuzz", "limits", "security", "soak", "faults")
 DEFAULT_PARTS = ("fuzz", "limits", "security")
-PLANNED = ("faults",)
+PLANNED = ()
 
 
 def add_commands(sub) -> None:
@@ -30,6 +31,8 @@ def add_commands(sub) -> None:
     p.add_argument("--time-limit", type=float, default=60.0, help="minutes the fuzz may run; later cases: not run")
     p.add_argument("--soak-clients", type=int, default=32, help="concurrent streaming clients of the soak")
     p.add_argument("--soak-seconds", type=float, default=600.0)
+    p.add_argument("--faults", default="all", help="all | kills (one kill -9 per tier: the CI slice)")
+    p.add_argument("--fault-clients", type=int, default=16, help="concurrent clients during the faults")
     p.add_argument("--out", default="artifacts/chaos", help="directory for <part>.json")
     p.add_argument("--docs", help="refresh the tables in this markdown file (docs/reliability.md)")
     p.add_argument("--workdir", help="keep the mesh's config, keys, certificates and logs here")
@@ -49,6 +52,7 @@ def _parts(raw: str) -> list[str]:
 
 def run_part(part: str, mesh, args, log) -> tuple[dict, str]:
     from specmesh.reliability import fuzz, limits, report, security
+    from specmesh.reliability.runner import generate_tokens, post_checks
     from specmesh.tokenization import model_encoder
 
     if part == "fuzz":
@@ -60,6 +64,14 @@ def run_part(part: str, mesh, args, log) -> tuple[dict, str]:
         model = fuzz.model_facts(mesh, mesh.cfg)
         res = limits.to_json(limits.public_rows(mesh, model_encoder(mesh.cfg.model)) + limits.internal_rows(mesh, model))
         return res, report.limits_markdown(res)
+    if part == "faults":
+        from specmesh.reliability import faults
+
+        chosen = faults.KILLS if args.faults == "kills" else faults.FULL
+        baseline = generate_tokens(mesh)
+        res = faults.run_faults(mesh, chosen, clients=args.fault_clients, log=log)
+        res = faults.to_json(res, post_checks(mesh, baseline, settle_s=45.0))
+        return res, faults.markdown(res)
     if part == "soak":
         from specmesh.reliability import soak
 
@@ -82,9 +94,6 @@ def _run_facts(args) -> dict:
 
 
 def run(args) -> int:
-    from specmesh.reliability import report
-    from specmesh.reliability.harness import start_suite_mesh
-
     try:
         parts = _parts(args.parts)
     except ValueError as exc:
@@ -93,6 +102,56 @@ def run(args) -> int:
     log = lambda msg: print(msg, file=sys.stderr, flush=True)  # noqa: E731
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    t0 = time.monotonic()
+    passed = True
+    if [p for p in parts if p != "faults"]:
+        passed = _run_parts([p for p in parts if p != "faults"], args, out, log)
+    if "faults" in parts:
+        passed = _run_part_on("faults", start_faults_mesh(args), args, out, log) and passed
+    log(f"chaos: {'PASSED' if passed else 'FAILED'} in {time.monotonic() - t0:.0f}s")
+    return 0 if passed else 1
+
+
+def start_faults_mesh(args):
+    from specmesh.launcher import Scale
+    from specmesh.reliability.harness import start_suite_mesh
+
+    workdir = Path(args.workdir) / "faults" if args.workdir else None
+    return start_suite_mesh(workdir, tls=not args.no_tls, overrides=FAULTS_OVERRIDES, scale=Scale(2, 2, 2, 2),
+                            registry=True)
+
+
+# the faults mesh: fast registry expiry (a dead worker leaves the coordinators' lists within ~3 s),
+# a 20 s cap on one target call, abandoned sequences reclaimed after 30 s idle
+FAULTS_OVERRIDES = {"registry": {"heartbeat_interval_s": 0.5, "ttl_s": 3.0, "poll_interval_s": 0.3},
+                    "coordinator": {"target_call_timeout_s": 20.0},
+                    "target_worker": {"cache": {"idle_timeout_s": 30.0, "reclaim_interval_s": 2.0}},
+                    "gateway": {"max_streams_per_key": 16}}
+
+
+def _run_part_on(part: str, mesh, args, out: Path, log) -> bool:
+    from specmesh.reliability import report
+
+    try:
+        started = time.monotonic()
+        res, markdown = run_part(part, mesh, args, log)
+        res["seconds"] = round(time.monotonic() - started, 1)
+        dead = mesh.dead()
+        res["processes_after"] = "all up" if not dead else "died: " + ", ".join(dead)
+        ok = res["passed"] and not dead
+        (out / f"{part}.json").write_text(json.dumps(res, indent=1, default=str))
+        log(f"chaos: {part} {'passed' if ok else 'FAILED'} in {time.monotonic() - started:.0f}s -> {out / (part + '.json')}")
+        if args.docs:
+            report.update_doc(Path(args.docs), part, markdown)
+        return ok
+    finally:
+        mesh.stop()
+
+
+def _run_parts(parts, args, out: Path, log) -> bool:
+    from specmesh.reliability import report
+    from specmesh.reliability.harness import start_suite_mesh
+
     t0 = time.monotonic()
     mesh = start_suite_mesh(Path(args.workdir) if args.workdir else None, tls=not args.no_tls)
     log(f"chaos: mesh up in {time.monotonic() - t0:.0f}s (logs: {mesh.log_dir})")
@@ -112,5 +171,4 @@ def run(args) -> int:
                 report.update_doc(Path(args.docs), part, markdown)
     finally:
         mesh.stop()
-    log(f"chaos: {'PASSED' if passed else 'FAILED'} in {time.monotonic() - t0:.0f}s")
-    return 0 if passed else 1
+    return passed

@@ -95,11 +95,13 @@ class SuiteMesh:
     def channel(self, service: str, own_connection: bool = False) -> grpc.Channel:
         """A channel a trusted peer would open (the public port: plaintext; the mesh ports: mTLS).
         own_connection: never share the TCP connection with another channel."""
+        return self.channel_to(self.address(service), own_connection, public=service == "gateway")
+
+    def channel_to(self, address: str, own_connection: bool = False, public: bool = True) -> grpc.Channel:
         from specmesh.rpc.server import CHANNEL_OPTIONS
 
         options = list(CHANNEL_OPTIONS) + ([("grpc.use_local_subchannel_pool", 1)] if own_connection else [])
-        creds = None if service == "gateway" else self.credentials()
-        address = self.address(service)
+        creds = None if public else self.credentials()
         return grpc.secure_channel(address, creds, options) if creds else grpc.insecure_channel(address, options)
 
     def metadata(self, key: str = "user") -> list[tuple[str, str]]:
@@ -136,8 +138,10 @@ class SuiteMesh:
 
 
 def start_suite_mesh(workdir: Path | None = None, tls: bool = True, overrides: dict | None = None,
-                     start_timeout_s: float = 300.0) -> SuiteMesh:
-    """Redis, keys, certificates, config, then the four services; stopped by .stop()."""
+                     start_timeout_s: float = 300.0, scale=None, registry: bool = False) -> SuiteMesh:
+    """Redis, keys, certificates, config, then the four services; stopped by .stop().
+    scale: replicas per tier (launcher.Scale). registry: workers register in the suite's Redis, which
+    then persists (AOF) so that it can be restarted without losing keys or records."""
     from specmesh.auth.store import KeyStore, connect
     from specmesh.launcher import Mesh
     from specmesh.registry.local_redis import LocalRedis
@@ -147,7 +151,7 @@ def start_suite_mesh(workdir: Path | None = None, tls: bool = True, overrides: d
         tmp = tempfile.TemporaryDirectory(prefix="specmesh-chaos-")
         workdir = Path(tmp.name)
     workdir.mkdir(parents=True, exist_ok=True)
-    redis = LocalRedis().start()
+    redis = LocalRedis(data_dir=workdir if registry else None).start()
     suite = SuiteMesh(workdir, {}, None, None, redis=redis, _tmp=tmp)
     try:
         suite.pki = make_suite_pki(workdir / "pki") if tls else None
@@ -159,7 +163,8 @@ def start_suite_mesh(workdir: Path | None = None, tls: bool = True, overrides: d
         for name, admin in (("user", False), ("other", False), ("admin", True)):
             suite.keys[name] = store.create(name, admin=admin)[0]
         (workdir / "keys.json").write_text(json.dumps(suite.keys))  # throw-away keys of a throw-away Redis
-        suite.launcher = Mesh(suite.cfg, str(path), str(suite.log_dir), env=child_env())
+        suite.launcher = Mesh(suite.cfg, str(path), str(suite.log_dir), env=child_env(), scale=scale,
+                              redis_url=redis.url if registry else None)
         suite.launcher.start(timeout_s=start_timeout_s)
     except BaseException:
         suite.stop()

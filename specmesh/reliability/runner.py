@@ -133,9 +133,13 @@ def generate_tokens(mesh, request=KNOWN_GOOD, timeout: float = 120.0) -> list[in
 
 
 def live_sequences(mesh) -> tuple[int, int]:
-    with mesh.channel("target_worker", own_connection=True) as ch:
-        st = pb_grpc.TargetWorkerStub(ch).Status(pb.WorkerStatusRequest(), timeout=10)
-    return st.live_sequences, st.kv_cache_bytes
+    """(sequences, KV bytes) held, summed over every target replica."""
+    seqs = kv = 0
+    for address in mesh.launcher.addresses.get("target_worker") or [mesh.address("target_worker")]:
+        with mesh.channel_to(address, own_connection=True, public=False) as ch:
+            st = pb_grpc.TargetWorkerStub(ch).Status(pb.WorkerStatusRequest(), timeout=10)
+        seqs, kv = seqs + st.live_sequences, kv + st.kv_cache_bytes
+    return seqs, kv
 
 
 def reset_speculation(mesh) -> None:
