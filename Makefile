@@ -50,7 +50,7 @@ test: setup
 test-unit: deps protos
 	$(VPY) -m pytest -ra tests/unit
 
-# the full reliability suite (docs/reliability.md): its own mesh on loopback, ~10 minutes
+# the full reliability suite (docs/reliability.md): its own meshes on loopback, ~35 minutes
 chaos: setup
 	$(VPY) -m specmesh.cli chaos --docs docs/reliability.md $(ARGS)
 

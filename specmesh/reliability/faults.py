@@ -163,8 +163,8 @@ def to_json(res: dict, after: dict) -> dict:
     return res
 
 
-def markdown(res: dict) -> str:
-    lines = [f"{res['clients']} streaming clients (T=0, {res['max_tokens']} tokens, the client's retry over both "
+def markdown(res: dict, run_line: str = "") -> str:
+    lines = ([run_line, ""] if run_line else []) + [f"{res['clients']} streaming clients (T=0, {res['max_tokens']} tokens, the client's retry over both "
              f"gateways), one fault at a time; a stop lasts {res['hold_s']:.0f} s.", "",
              "| fault | calls | OK | OK after the client's retry | failed (final status) | errors seen by attempts "
              "| hung | differ from fault-free | back in (s) | disrupted for (s) |",
