@@ -1,6 +1,8 @@
 """The draft tier's per-sequence state is released when a request ends: the coordinator's Release
 reaches the draft worker every time (a fire-and-forget gRPC future is cancelled when garbage
-collected, often before it is sent: the soak found most draft caches never released)."""
+collected, often before it is sent: the soak found most draft caches never released), and a
+Release that arrives while the model thread drafts for the sequence is not undone by the draft
+being stored back."""
 
 from __future__ import annotations
 
@@ -13,6 +15,7 @@ from concurrent import futures
 import grpc
 
 from coordinator.clients import GrpcDraftPool
+from draft_worker.sequence_lru import SequenceLru
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
@@ -58,3 +61,16 @@ def test_every_release_reaches_the_draft_worker():
             m.client.close()
         server.stop(None)
 
+
+def test_a_release_while_drafting_is_not_undone_by_the_store_back():
+    lru = SequenceLru(8)
+    lru.put("a", "state of a")
+    taken = lru.take("a")  # the model thread drafts for "a"
+    lru.release("a")  # the request ended meanwhile (deadline, cancel)
+    lru.put("a", taken)  # the draft is done: stored back
+    assert "a" not in lru and len(lru) == 0
+    lru.release("b")  # released before its last Propose ran (a queued call past its deadline)
+    lru.put("b", "late state of b")
+    assert len(lru) == 0
+    lru.put("c", "state of c")  # others are kept as before
+    assert "c" in lru
