@@ -217,6 +217,9 @@ class GrpcDraftPool:
         # seq_id -> draft workers that hold its draft cache (bounded: a sequence switched to "off"
         # mid-request by the admin switch is never released here)
         self._served: OrderedDict[str, set[str]] = OrderedDict()
+        # Release calls in flight: a gRPC future nobody holds is cancelled when it is garbage
+        # collected ("Cancelled upon garbage collection!"), often before it was sent
+        self._releasing: set = set()
 
     @property
     def stubs(self) -> list[tuple[str, Any]]:
@@ -274,7 +277,9 @@ class GrpcDraftPool:
             addresses = self._served.pop(seq_id, ())
             targets = [self.members.by_addr[a] for a in addresses if a in self.members.by_addr]
         for m in targets:
-            m.client.stub.Release.future(pb.ReleaseDraftRequest(seq_id=seq_id), timeout=2.0)
+            call = m.client.stub.Release.future(pb.ReleaseDraftRequest(seq_id=seq_id), timeout=2.0)
+            self._releasing.add(call)
+            call.add_done_callback(self._releasing.discard)  # held until it ended (at once if it already did)
 
 
 def pools_from_config(cfg, ccfg=None, fingerprint: str = ""):

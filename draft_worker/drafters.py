@@ -14,13 +14,12 @@
 from __future__ import annotations
 
 import hashlib
-import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from draft_worker.sequence_lru import SequenceLru
 from specmesh.core.features import FeatureWindow
 from specmesh.core.ngram import propose_ngram
 from specmesh.core.sampling import make_generator, sample, truncate, warp_logits
@@ -62,42 +61,6 @@ class NgramDrafter:
         pass
 
 
-class SequenceLru:
-    """Per-sequence drafter state keyed by seq_id, least recently stored evicted past max_items
-    (and, with max_tokens, past that many tokens in all, as size(item) counts them: a stream of
-    long, never-released sequences cannot grow the draft worker's memory without bound).
-    take() removes the entry (the model thread owns it while drafting); put() stores it back."""
-
-    def __init__(self, max_items: int, max_tokens: int = 0, size: Callable = lambda item: 0):
-        self._items: OrderedDict = OrderedDict()
-        self._max, self._max_tokens, self._size = max_items, max_tokens, size
-        self._lock = threading.Lock()
-
-    def take(self, seq_id: str):
-        with self._lock:
-            return self._items.pop(seq_id, None)
-
-    def put(self, seq_id: str, item) -> None:
-        with self._lock:
-            self._items[seq_id] = item
-            while len(self._items) > self._max:
-                self._items.popitem(last=False)
-            if self._max_tokens:
-                total = sum(self._size(x) for x in self._items.values())
-                while total > self._max_tokens and len(self._items) > 1:  # the newest stays
-                    total -= self._size(self._items.popitem(last=False)[1])
-
-    def __getitem__(self, seq_id: str):  # a look without taking (tests, introspection)
-        with self._lock:
-            return self._items[seq_id]
-
-    def __contains__(self, seq_id: str) -> bool:
-        return seq_id in self._items
-
-    def __len__(self) -> int:
-        return len(self._items)
-
-
 def _wait(future, timeout: float | None):
     """The job's result; a job its caller gave up on before it ran never runs (the batcher skips it)."""
     try:
@@ -114,10 +77,13 @@ class _BatchedDrafter:
     batcher: Batcher
 
     def release(self, seq_id: str) -> None:
-        self._cache.take(seq_id)
+        self._cache.release(seq_id)
 
     def cached_sequences(self) -> int:
         return len(self._cache)
+
+    def cached_tokens(self) -> int:
+        return self._cache.tokens()
 
     def close(self) -> None:
         self.batcher.close()

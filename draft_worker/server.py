@@ -20,7 +20,7 @@ from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
 from specmesh.runtime import service_args, start_process
 from specmesh.telemetry.tracing import set_attributes
-from specmesh.telemetry.workers import admission_limiter, watch_batcher
+from specmesh.telemetry.workers import admission_limiter, watch_batcher, watch_drafter_caches
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 
@@ -144,6 +144,7 @@ def main(argv=None) -> int:
     bp = cfg.backpressure.draft_worker
     servicer = DraftWorkerServicer(drafters, cfg.speculative.max_speculative_tokens,
                                    admission_limiter("draft_worker", bp))
+    watch_drafter_caches(drafters)
     if "draft_model" in drafters:
         watch_batcher("draft_worker", drafters["draft_model"].batcher)
     if "block" in drafters and "draft_model" not in drafters:

@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import tempfile
+import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from specmesh.reliability.pki import SuitePki, make_suite_pki
 SERVICES = ("gateway", "coordinator", "draft_worker", "target_worker")
 INTERNAL = ("coordinator", "draft_worker", "target_worker")
 KEY_PREFIX = "chaos"
+METRICS_URL = re.compile(r"metrics on (http://[^/\s\"]{1,80}/metrics)")
 
 # small public limits: each is reached with few, cheap requests (the defaults are in docs/configuration.md)
 SUITE_GATEWAY = {"max_tokens_limit": 64, "max_stop_strings": 8, "max_stop_chars": 64, "max_messages": 16,
@@ -77,6 +80,7 @@ class SuiteMesh:
     launcher: object = None  # specmesh.launcher.Mesh
     redis: object = None  # specmesh.registry.local_redis.LocalRedis
     _tmp: object = None
+    _draft_metrics: str | None = None  # the draft worker's /metrics URL, from its log
 
     def address(self, service: str) -> str:
         return self.data[service]["listen"]
@@ -117,6 +121,16 @@ class SuiteMesh:
     def pids(self) -> dict[str, int]:
         return {c.name: c.proc.pid for c in self.launcher.children} if self.launcher else {}
 
+    def draft_cache(self) -> tuple[int, int]:
+        """(sequences, KV slots) the draft worker's drafters keep, from its /metrics (OSError: unreadable)."""
+        if self._draft_metrics is None:
+            found = METRICS_URL.search((self.log_dir / "draft_worker.log").read_text(errors="replace"))
+            if found is None:
+                raise OSError("the draft worker's log announces no /metrics")
+            self._draft_metrics = found.group(1)
+        with urllib.request.urlopen(self._draft_metrics, timeout=10) as r:
+            return draft_cache_from_metrics(r.read().decode())
+
     def dead(self) -> list[str]:
         """Children that exited (any exit is a failure while the suite runs)."""
         return [f"{c.name} (exit {c.proc.returncode})" for c in self.launcher.children if c.proc.poll() is not None]
@@ -135,6 +149,16 @@ class SuiteMesh:
             self.redis.stop()
         if self._tmp is not None:
             self._tmp.cleanup()
+
+
+def draft_cache_from_metrics(text: str) -> tuple[int, int]:
+    """(sequences, KV slots) summed over the drafters, from a /metrics page."""
+    total = {"sequences": 0.0, "tokens": 0.0}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name.startswith("specmesh_draft_cache_") and name[len("specmesh_draft_cache_"):] in total:
+            total[name[len("specmesh_draft_cache_"):]] += float(rest.rsplit(" ", 1)[1])
+    return int(total["sequences"]), int(total["tokens"])
 
 
 def start_suite_mesh(workdir: Path | None = None, tls: bool = True, overrides: dict | None = None,

@@ -77,6 +77,10 @@ KV_RESERVED = Gauge("specmesh_kv_cache_reserved_tokens", "KV pool slots owned by
 KV_POOL_BYTES = Gauge("specmesh_kv_cache_pool_bytes", "bytes of the KV pool allocated at start")
 KV_RELOCATIONS = Gauge("specmesh_kv_cache_relocations", "sequences moved to a larger pool range (outgrew their reservation)")
 
+# ---- draft worker
+DRAFT_CACHE_SEQUENCES = Gauge("specmesh_draft_cache_sequences", "sequences whose drafter state is kept", ["method"])
+DRAFT_CACHE_TOKENS = Gauge("specmesh_draft_cache_tokens", "KV slots the kept draft state holds", ["method"])
+
 
 # ---- coordinator: the k each round chose
 CHOSEN_K = Histogram("specmesh_chosen_k", "k chosen for a round (0: the target alone), observed per request "

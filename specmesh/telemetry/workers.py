@@ -30,3 +30,11 @@ def watch_target_engine(engine) -> None:
 
 def watch_batcher(role: str, batcher) -> None:
     metrics.BATCH_QUEUE.labels(role).set_function(batcher.qsize)
+
+
+def watch_drafter_caches(drafters: dict) -> None:
+    """Sequences and KV slots each model drafter keeps (its per-sequence LRU), on each scrape."""
+    for name, drafter in drafters.items():
+        if hasattr(drafter, "cached_sequences"):
+            metrics.DRAFT_CACHE_SEQUENCES.labels(name).set_function(drafter.cached_sequences)
+            metrics.DRAFT_CACHE_TOKENS.labels(name).set_function(drafter.cached_tokens)

@@ -35,6 +35,11 @@ class InProcessMesh(SuiteMesh):
     spans: object = None  # an InMemorySpanExporter
     root_level: int = logging.WARNING
     gateway_servicer: object = None
+    drafters: dict = field(default_factory=dict)
+
+    def draft_cache(self) -> tuple[int, int]:
+        kept = [d for d in self.drafters.values() if hasattr(d, "cached_sequences")]
+        return sum(d.cached_sequences() for d in kept), sum(d.cached_tokens() for d in kept)
 
     def dead(self) -> list[str]:
         return [name for name, svc in self.services.items() if svc._stopped.is_set()]
@@ -108,6 +113,7 @@ def _servicers(mesh: InProcessMesh, target_model, encoder) -> dict:
     if block is not None:
         drafters["block"] = BlockDrafter(block, dw.max_batch_size, dw.cache_max_sequences)
     mesh.closers += [engine.close] + [d.close for d in drafters.values()]
+    mesh.drafters = drafters
     target = TargetWorkerServicer(engine, "test-target", admission_limiter("target_worker", bp.target_worker))
     draft = DraftWorkerServicer(drafters, cfg.speculative.max_speculative_tokens,
                                 admission_limiter("draft_worker", bp.draft_worker))

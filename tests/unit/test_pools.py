@@ -104,6 +104,11 @@ def test_draft_pool_least_loaded_method_filter_and_draining():
         GrpcDraftPool()._pick("s", "ngram")
 
 
+class _Done:  # a Release future that has ended
+    def add_done_callback(self, fn):
+        fn(self)
+
+
 def test_draft_pool_spreads_rounds_and_releases_only_where_served():
     pool = GrpcDraftPool(("a:1", "b:1"))
     held = [pool._pick(f"s{i}", "ngram") for i in range(4)]
@@ -111,7 +116,7 @@ def test_draft_pool_spreads_rounds_and_releases_only_where_served():
     sent = []
     for m in pool.members.snapshot():
         m.client.stub = type("S", (), {"Release": type("R", (), {"future": staticmethod(
-            lambda req, timeout, a=m.address: sent.append((a, req.seq_id)))})})()
+            lambda req, timeout, a=m.address: sent.append((a, req.seq_id)) or _Done())})})()
     pool.release("s0")
     assert sent == [(held[0].address, "s0")]
     pool.release("never")

@@ -1,0 +1,76 @@
+"""The draft tier's per-sequence state is released when a request ends: the coordinator's Release
+reaches the draft worker every time (a fire-and-forget gRPC future is cancelled when garbage
+collected, often before it is sent: the soak found most draft caches never released), and a
+Release that arrives while the model thread drafts for the sequence is not undone by the draft
+being stored back."""
+
+from __future__ import annotations
+
+import gc
+import socket
+import threading
+import time
+from concurrent import futures
+
+import grpc
+
+from coordinator.clients import GrpcDraftPool
+from draft_worker.sequence_lru import SequenceLru
+from specmesh.v1 import specmesh_pb2 as pb
+from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
+
+
+class _Recorder(pb_grpc.DraftWorkerServicer):
+    def __init__(self):
+        self.released, self.lock = [], threading.Lock()
+
+    def Release(self, request, context):
+        with self.lock:
+            self.released.append(request.seq_id)
+        return pb.ReleaseDraftResponse()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_every_release_reaches_the_draft_worker():
+    recorder, address = _Recorder(), f"127.0.0.1:{_free_port()}"
+    server = grpc.server(futures.ThreadPoolExecutor(4))
+    pb_grpc.add_DraftWorkerServicer_to_server(recorder, server)
+    server.add_insecure_port(address)
+    server.start()
+    pool = GrpcDraftPool((address,))
+    try:
+        seqs = [f"s{i}" for i in range(40)]
+        for seq in seqs:
+            pool.members.done(pool._pick(seq, "draft_model"))
+            pool.release(seq)
+            gc.collect()  # what a busy coordinator does to an unreferenced future
+        deadline = time.monotonic() + 10
+        while len(recorder.released) < len(seqs) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert sorted(recorder.released) == sorted(seqs)
+        while pool._releasing and time.monotonic() < deadline:  # each call is dropped once it ended
+            time.sleep(0.05)
+        assert not pool._releasing
+    finally:
+        for m in pool.members.snapshot():
+            m.client.close()
+        server.stop(None)
+
+
+def test_a_release_while_drafting_is_not_undone_by_the_store_back():
+    lru = SequenceLru(8)
+    lru.put("a", "state of a")
+    taken = lru.take("a")  # the model thread drafts for "a"
+    lru.release("a")  # the request ended meanwhile (deadline, cancel)
+    lru.put("a", taken)  # the draft is done: stored back
+    assert "a" not in lru and len(lru) == 0
+    lru.release("b")  # released before its last Propose ran (a queued call past its deadline)
+    lru.put("b", "late state of b")
+    assert len(lru) == 0
+    lru.put("c", "state of c")  # others are kept as before
+    assert "c" in lru
