@@ -135,7 +135,8 @@ def generate_tokens(mesh, request=KNOWN_GOOD, timeout: float = 120.0) -> list[in
 def live_sequences(mesh) -> tuple[int, int]:
     """(sequences, KV bytes) held, summed over every target replica."""
     seqs = kv = 0
-    for address in mesh.launcher.addresses.get("target_worker") or [mesh.address("target_worker")]:
+    launcher = getattr(mesh, "launcher", None)  # the in-process mesh (CI slice) has one target, no launcher
+    for address in (launcher.addresses.get("target_worker") if launcher else None) or [mesh.address("target_worker")]:
         with mesh.channel_to(address, own_connection=True, public=False) as ch:
             st = pb_grpc.TargetWorkerStub(ch).Status(pb.WorkerStatusRequest(), timeout=10)
         seqs, kv = seqs + st.live_sequences, kv + st.kv_cache_bytes
