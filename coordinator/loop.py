@@ -71,8 +71,10 @@ class Generation:
                  tokenizer, eos_token_ids: set[int], draft_timeout_s: float, is_active=lambda: True,
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
                  control=None, observer=None, feature_spec: FeatureSpec | None = None,
-                 rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None):
+                 rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None,
+                 decode_steps: int = 1):
         self.req, self.target, self.drafts = req, target, drafts
+        self.decode_steps = decode_steps  # AR rounds (speculation off): tokens per Verify call
         # local_drafters: {method: propose(context, k) -> tokens} run here, with no hop to the draft
         # tier (n-gram: the context is already here); other methods go to the draft tier
         self.local = dict(local_drafters or {})
@@ -146,6 +148,13 @@ class Generation:
         self.stats.chosen_k[k] = self.stats.chosen_k.get(k, 0) + 1
         return k
 
+    def _burst(self, draft) -> int:
+        """Tokens this round decodes: several for a plain AR round (speculation off, not chosen
+        per round: such a round's k would be re-chosen after every token), else one."""
+        if draft.token_ids or self.method != "off" or self.decode_steps <= 1:
+            return 1
+        return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids)))
+
     def _wants_features(self) -> bool:
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
 
@@ -155,9 +164,12 @@ class Generation:
         self._overlap(self.req.prompt_ids + self.out.token_ids, draft)
         t0 = time.monotonic()
         try:
+            steps = self._burst(draft)
             if self._wants_features():
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec)
                 self._take_features(outcome.features)
+            elif steps > 1:
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), steps=steps)
             else:
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout())
         except (Unavailable, NotFound, DeadlineExceeded) as exc:
@@ -169,7 +181,10 @@ class Generation:
         self.rounds.take_cost(outcome.cost)
         self.rounds.learn(self.method, draft, outcome.accepted, self.stats.draft_time_s - draft_s)
         depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
-        self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens), positions=depth)
+        if draft.token_ids:
+            self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens), positions=depth)
+        for _ in outcome.tokens if not draft.token_ids else ():  # an AR round (maybe a burst): a step a token
+            self.stats.record(0, 0, 1)
         if self.observer is not None:
             self.observer(self.method, len(draft.token_ids), outcome.accepted, len(outcome.tokens),
                           self.stats.draft_time_s - draft_s, time.monotonic() - t0)

@@ -89,7 +89,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                           max_reroutes=c.max_target_failovers, target_timeout_s=c.target_call_timeout_s,
                           control=self.control, observer=functools.partial(observe.on_round, arm=arm),
                           feature_spec=self.feature_spec, rate_book=self.rate_book,
-                          local_drafters=self.local_drafters, overlap=self.predraft_pool), arm
+                          local_drafters=self.local_drafters, overlap=self.predraft_pool,
+                          decode_steps=c.decode_steps), arm
 
     def _final(self, gen: Generation, tel, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))

@@ -185,6 +185,9 @@ class CoordinatorConfig:
     draft_timeout_s: float = 5.0  # a slower proposal counts as a draft failure (round runs with k=0)
     draft_retry_after_s: float = 2.0  # after a failure, skip that draft worker this long
     max_workers: int = 64
+    # AR rounds (speculation off) decode up to this many tokens per Verify call, one-token steps
+    # back to back in the target (VerifyRequest.decode_steps): one hop for several tokens; 1: off
+    decode_steps: int = 4
     target_call_timeout_s: float = 120.0  # cap on one Prefill/Verify call: a hung target never hangs a request
     max_target_failovers: int = 2  # a sequence whose target dies is re-prefilled elsewhere this often
     # n-gram drafts in the coordinator, where the context is (draft_worker.ngram's sizes): no
@@ -206,6 +209,7 @@ class CoordinatorConfig:
         _check(self.draft_timeout_s > 0, f"{key}.draft_timeout_s", "must be > 0")
         _check(self.max_workers >= 1, f"{key}.max_workers", "must be >= 1")
         _check(self.target_call_timeout_s > 0, f"{key}.target_call_timeout_s", "must be > 0")
+        _check(1 <= self.decode_steps <= 64, f"{key}.decode_steps", "1..64")
         _check(self.max_target_failovers >= 0, f"{key}.max_target_failovers", "must be >= 0")
 
 

@@ -65,6 +65,7 @@ class VerifyJob:
     seq: Sequence
     draft: DraftProposal
     features: FeatureSpec | None = None
+    steps: int = 1  # with no draft: one-token steps back to back (VerifyRequest.decode_steps)
 
 
 DEFAULT_RESERVE = 512  # new tokens reserved for a sequence whose Prefill does not say (it grows past)
@@ -130,7 +131,10 @@ class TargetEngine:
             raise
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float | None = None,
-               features: FeatureSpec | None = None) -> VerifyOutcome:
+               features: FeatureSpec | None = None, steps: int = 1) -> VerifyOutcome:
+        if not 1 <= steps <= MAX_DRAFT_TOKENS or (steps > 1 and (draft.token_ids or features is not None)):
+            raise InvalidArgument("decode_steps", f"1..{MAX_DRAFT_TOKENS}, and more than 1 only without a draft "
+                                  "or features")
         if len(draft.token_ids) > MAX_DRAFT_TOKENS:  # before the tree's [N+1, N+1] mask is built
             raise InvalidArgument("draft_token_ids", f"at most {MAX_DRAFT_TOKENS} draft tokens")
         self._check_tokens(draft.token_ids, "draft_token_ids")
@@ -143,7 +147,8 @@ class TargetEngine:
             if seq.kv.length + 1 + depth > self.context_window:
                 raise InvalidArgument("draft_token_ids", "round would run past the context window")
             seq.kv.ensure(seq.kv.length + 1 + len(draft.token_ids))  # Unavailable when the pool is full
-            return self._run_job("verify", VerifyJob(seq, draft, features), timeout)
+            steps = min(steps, self.context_window - seq.kv.length)
+            return self._run_job("verify", VerifyJob(seq, draft, features, steps), timeout)
         finally:
             seq.busy = False
             seq.last_used = time.monotonic()
@@ -349,6 +354,26 @@ class TargetEngine:
         return firsts
 
     def _run_verify(self, jobs: list[VerifyJob], hidden: tuple[int, ...] = ()) -> list[VerifyOutcome]:
+        """One forward for the batch; then further one-token steps for the jobs that asked for
+        several (no draft), batched together, each step the same computation as a round of its own."""
+        results = self._verify_step(jobs, hidden)
+        for step in range(1, max(j.steps for j in jobs)):
+            more = [i for i, j in enumerate(jobs) if j.steps > step and self._room_for_one(j.seq)]
+            if not more:
+                break
+            for i, out in zip(more, self._verify_step([jobs[i] for i in more])):
+                results[i] = dataclasses.replace(results[i], tokens=results[i].tokens + out.tokens)
+        return results
+
+    @staticmethod
+    def _room_for_one(seq: Sequence) -> bool:
+        try:
+            seq.kv.ensure(seq.kv.length + 1)
+            return True
+        except Unavailable:  # the pool is full: the burst ends early, the caller asks again
+            return False
+
+    def _verify_step(self, jobs: list[VerifyJob], hidden: tuple[int, ...] = ()) -> list[VerifyOutcome]:
         inputs = [[j.seq.pending] + list(j.draft.token_ids) for j in jobs]
         layouts = [tree_layout(j.draft.parents) if j.draft.parents is not None else (None, None) for j in jobs]
         t0 = time.perf_counter()

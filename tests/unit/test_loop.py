@@ -422,3 +422,39 @@ def test_concurrent_generations_have_distinct_seq_ids():
     assert len({g.seq_id for g in gens}) == 4
     assert all(g.out.token_ids == SCRIPT[:12] for g in gens)
     assert sorted(target.released) == sorted(g.seq_id for g in gens)
+
+
+# ------------------------------------------------------------------------------------ decode bursts
+
+class BurstTarget(FakeTarget):
+    """A target that decodes `steps` tokens of its script per AR call."""
+
+    def __init__(self):
+        super().__init__()
+        self.steps: list[int] = []
+
+    def verify(self, seq_id, draft, timeout, steps=1):
+        self.steps.append(steps)
+        assert steps == 1 or not draft.token_ids
+        out = super().verify(seq_id, draft, timeout)
+        for _ in range(steps - 1):
+            out = VerifyOutcome(0, out.tokens + super().verify(seq_id, draft, timeout).tokens, bonus=False)
+        return out
+
+
+def test_ar_rounds_decode_in_bursts_capped_by_max_tokens():
+    target = BurstTarget()
+    gen = Generation(request(max_tokens=11, method="off"), target, None, FakeTokenizer(), {EOS}, 5.0,
+                     decode_steps=4)
+    chunks = run_all(gen)
+    assert gen.out.token_ids == SCRIPT[:11] and gen.out.finish_reason == "length"
+    assert target.steps == [4, 4, 2]  # 1 from the prefill, then 10 in bursts that stop at max_tokens
+    assert [len(c.token_ids) for c in chunks] == [1, 4, 4, 2]
+    assert (gen.stats.rounds, gen.stats.emitted_tokens, gen.stats.mean_acceptance_length) == (10, 10, 1.0)
+
+
+def test_speculative_rounds_never_burst():
+    target, drafts = BurstTarget(), FakeDrafts(wrong_after=0)  # every draft rejected: k > 0 rounds anyway
+    gen = Generation(request(max_tokens=9, k=2), target, drafts, FakeTokenizer(), {EOS}, 5.0, decode_steps=4)
+    run_all(gen)
+    assert gen.out.token_ids == SCRIPT[:9] and set(target.steps) == {1}

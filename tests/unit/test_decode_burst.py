@@ -1,0 +1,75 @@
+"""Decode bursts (VerifyRequest.decode_steps): an AR round that asks for n tokens gets the same
+tokens as n rounds of one, batched with the other bursts step by step; a full KV pool ends a burst
+early, never fails it; a burst beside a draft or past the limit is refused."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from specmesh.core.types import DraftProposal, SamplingParams
+from specmesh.errors import InvalidArgument
+
+PROMPTS = [[10, 11, 12], [20, 21, 22, 23], [30, 31]]
+GREEDY = SamplingParams(temperature=0.0)
+
+
+def _engine(model, max_tokens=4096):
+    from target_worker.engine import TargetEngine
+
+    return TargetEngine(model, 8, 8, max_tokens, 60.0, batch_invariant=True)
+
+
+def _one_by_one(model, n: int) -> list[list[int]]:
+    engine = _engine(model)
+    try:
+        out = []
+        for i, p in enumerate(PROMPTS):
+            toks = [engine.prefill(f"s{i}", p, GREEDY)]
+            for _ in range(n):
+                toks += engine.verify(f"s{i}", DraftProposal([])).tokens
+            out.append(toks)
+        return out
+    finally:
+        engine.close()
+
+
+def test_bursts_equal_single_steps_and_batch_together(target_model):
+    expected = _one_by_one(target_model, 8)
+    engine = _engine(target_model)
+    try:
+        firsts = [engine.prefill(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
+        engine.last_batch_sizes.clear()
+        with ThreadPoolExecutor(len(PROMPTS)) as pool:
+            bursts = [pool.submit(engine.verify, f"s{i}", DraftProposal([]), None, None, 4) for i in range(len(PROMPTS))]
+            first = [f.result(60) for f in bursts]
+        second = [engine.verify(f"s{i}", DraftProposal([]), steps=4) for i in range(len(PROMPTS))]
+        for i in range(len(PROMPTS)):
+            assert [firsts[i]] + first[i].tokens + second[i].tokens == expected[i]
+            assert first[i].accepted == 0 and len(first[i].tokens) == 4
+            assert engine.cache_length(f"s{i}") == len(PROMPTS[i]) + 8
+        assert max(engine.last_batch_sizes) > 1  # the concurrent bursts shared forwards
+    finally:
+        engine.close()
+
+
+def test_a_full_pool_ends_a_burst_early(target_model):
+    engine = _engine(target_model, max_tokens=16)
+    try:
+        engine.prefill_outcome("a", PROMPTS[0], GREEDY, max_new_tokens=1)
+        out = engine.verify("a", DraftProposal([]), steps=40)
+        assert 1 <= len(out.tokens) < 40  # as many as the pool held, then the caller asks again
+    finally:
+        engine.close()
+
+
+def test_bursts_are_refused_with_a_draft_or_past_the_limit(target_model):
+    engine = _engine(target_model)
+    try:
+        engine.prefill("a", PROMPTS[0], GREEDY)
+        for draft, steps in ((DraftProposal([5, 6]), 2), (DraftProposal([]), 65), (DraftProposal([]), 0)):
+            with pytest.raises(InvalidArgument, match="decode_steps"):
+                engine.verify("a", draft, steps=steps)
+    finally:
+        engine.close()
