@@ -72,9 +72,10 @@ class Generation:
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
                  control=None, observer=None, feature_spec: FeatureSpec | None = None,
                  rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, lookup: tuple[int, int] | None = None):
         self.req, self.target, self.drafts = req, target, drafts
-        self.decode_steps = decode_steps  # AR rounds (speculation off): tokens per Verify call
+        self.decode_steps = decode_steps  # rounds without a draft: tokens per Verify call (a burst)
+        self.lookup = lookup  # the local n-gram's (min_n, max_n): its bursts end where it would draft
         # local_drafters: {method: propose(context, k) -> tokens} run here, with no hop to the draft
         # tier (n-gram: the context is already here); other methods go to the draft tier
         self.local = dict(local_drafters or {})
@@ -148,12 +149,20 @@ class Generation:
         self.stats.chosen_k[k] = self.stats.chosen_k.get(k, 0) + 1
         return k
 
-    def _burst(self, draft) -> int:
-        """Tokens this round decodes: several for a plain AR round (speculation off, not chosen
-        per round: such a round's k would be re-chosen after every token), else one."""
-        if draft.token_ids or self.method != "off" or self.decode_steps <= 1:
-            return 1
-        return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids)))
+    def _burst(self, draft) -> tuple[int, tuple[int, int] | None]:
+        """(tokens this round decodes, n-gram sizes that end it early). Several for a round without
+        a draft when speculation is off, or when the local n-gram found no match (the target stops
+        the burst where it would match: the next round drafts); one otherwise (remote drafters
+        decide per round, the block drafter needs every position's features)."""
+        if draft.token_ids or self.decode_steps <= 1:
+            return 1, None
+        if self.method == "off":
+            lookup = None
+        elif self.method == "ngram" and "ngram" in self.local and self.lookup is not None:
+            lookup = self.lookup
+        else:
+            return 1, None
+        return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids))), lookup
 
     def _wants_features(self) -> bool:
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
@@ -164,12 +173,12 @@ class Generation:
         self._overlap(self.req.prompt_ids + self.out.token_ids, draft)
         t0 = time.monotonic()
         try:
-            steps = self._burst(draft)
+            steps, lookup = self._burst(draft)
             if self._wants_features():
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec)
                 self._take_features(outcome.features)
             elif steps > 1:
-                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), steps=steps)
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), steps=steps, ngram=lookup)
             else:
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout())
         except (Unavailable, NotFound, DeadlineExceeded) as exc:

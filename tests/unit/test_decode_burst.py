@@ -73,3 +73,27 @@ def test_bursts_are_refused_with_a_draft_or_past_the_limit(target_model):
                 engine.verify("a", draft, steps=steps)
     finally:
         engine.close()
+
+
+def test_a_burst_ends_where_prompt_lookup_would_draft(target_model, target_tokenizer):
+    from specmesh.core.ngram import propose_ngram
+
+    prompt = target_tokenizer.encode("Once upon a time there was a red fox. The fox said: hello. Once upon")
+    sizes = (2, 4)
+    engine = _engine(target_model)
+    try:  # where a burst should end: the first step after which the context's suffix has an earlier copy
+        context = prompt + [engine.prefill("a", prompt, GREEDY)]
+        expected = 0
+        while expected < 12:
+            context += engine.verify("a", DraftProposal([])).tokens
+            expected += 1
+            if propose_ngram(context, 1, *sizes):
+                break
+        engine.prefill("b", prompt, GREEDY)
+        assert expected < 12, "the text never repeats itself: the early end is not exercised"
+        burst = engine.verify("b", DraftProposal([]), steps=12, ngram=sizes)
+        assert burst.tokens == context[len(prompt) + 1:len(prompt) + 1 + expected]
+        with pytest.raises(InvalidArgument, match="ngram_min_n"):
+            engine.verify("b", DraftProposal([]), steps=2, ngram=(3, 2))
+    finally:
+        engine.close()

@@ -432,9 +432,11 @@ class BurstTarget(FakeTarget):
     def __init__(self):
         super().__init__()
         self.steps: list[int] = []
+        self.ngrams: list = []
 
-    def verify(self, seq_id, draft, timeout, steps=1):
+    def verify(self, seq_id, draft, timeout, steps=1, ngram=None):
         self.steps.append(steps)
+        self.ngrams.append(ngram)
         assert steps == 1 or not draft.token_ids
         out = super().verify(seq_id, draft, timeout)
         for _ in range(steps - 1):
@@ -451,6 +453,14 @@ def test_ar_rounds_decode_in_bursts_capped_by_max_tokens():
     assert target.steps == [4, 4, 2]  # 1 from the prefill, then 10 in bursts that stop at max_tokens
     assert [len(c.token_ids) for c in chunks] == [1, 4, 4, 2]
     assert (gen.stats.rounds, gen.stats.emitted_tokens, gen.stats.mean_acceptance_length) == (10, 10, 1.0)
+
+
+def test_local_ngram_rounds_without_a_match_burst_until_one():
+    target = BurstTarget()
+    gen = Generation(request(max_tokens=9, k=2, method="ngram"), target, None, FakeTokenizer(), {EOS}, 5.0,
+                     local_drafters={"ngram": lambda context, k: []}, decode_steps=4, lookup=(2, 3))
+    run_all(gen)
+    assert gen.out.token_ids == SCRIPT[:9] and target.steps == [4, 4] and set(target.ngrams) == {(2, 3)}
 
 
 def test_speculative_rounds_never_burst():
