@@ -150,8 +150,8 @@ class TargetLease:
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
                features: FeatureSpec | None = None, steps: int = 1, ngram: tuple[int, int] | None = None) -> VerifyOutcome:
-        if steps > 1:  # a decode burst (no draft, no features), ending where prompt lookup matches
-            return self._call(self.client.verify, seq_id, draft, timeout, steps=steps, ngram=ngram)
+        if steps > 1:  # a decode burst (no draft), ending where prompt lookup matches
+            return self._call(self.client.verify, seq_id, draft, timeout, features, steps=steps, ngram=ngram)
         if features is None:  # the plain call, as every TargetClient takes it
             return self._call(self.client.verify, seq_id, draft, timeout)
         return self._call(self.client.verify, seq_id, draft, timeout, features)

@@ -151,15 +151,18 @@ class Generation:
 
     def _burst(self, draft) -> tuple[int, tuple[int, int] | None]:
         """(tokens this round decodes, n-gram sizes that end it early). Several for a round without
-        a draft when speculation is off, or when the local n-gram found no match (the target stops
-        the burst where it would match: the next round drafts); one otherwise (remote drafters
-        decide per round, the block drafter needs every position's features)."""
+        a draft when speculation is off, when the local n-gram found no match (the target stops
+        the burst where it would match: the next round drafts), or when the block drafter's tree
+        was not chosen (the burst brings every position's features); one for the remote chain
+        drafters (their pre-drafts key on every round)."""
         if draft.token_ids or self.decode_steps <= 1:
             return 1, None
         if self.method == "off":
             lookup = None
         elif self.method == "ngram" and "ngram" in self.local and self.lookup is not None:
             lookup = self.lookup
+        elif self._wants_features():
+            lookup = None
         else:
             return 1, None
         return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids))), lookup
@@ -175,7 +178,8 @@ class Generation:
         try:
             steps, lookup = self._burst(draft)
             if self._wants_features():
-                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec)
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec,
+                                             **({"steps": steps} if steps > 1 else {}))
                 self._take_features(outcome.features)
             elif steps > 1:
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), steps=steps, ngram=lookup)

@@ -136,9 +136,8 @@ class TargetEngine:
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float | None = None,
                features: FeatureSpec | None = None, steps: int = 1,
                ngram: tuple[int, int] | None = None) -> VerifyOutcome:
-        if not 1 <= steps <= MAX_DRAFT_TOKENS or (steps > 1 and (draft.token_ids or features is not None)):
-            raise InvalidArgument("decode_steps", f"1..{MAX_DRAFT_TOKENS}, and more than 1 only without a draft "
-                                  "or features")
+        if not 1 <= steps <= MAX_DRAFT_TOKENS or (steps > 1 and draft.token_ids):
+            raise InvalidArgument("decode_steps", f"1..{MAX_DRAFT_TOKENS}, and more than 1 only without a draft")
         if ngram is not None and not 1 <= ngram[0] <= ngram[1] <= 64:
             raise InvalidArgument("ngram_min_n", "1 <= ngram_min_n <= ngram_max_n <= 64, or both 0")
         if len(draft.token_ids) > MAX_DRAFT_TOKENS:  # before the tree's [N+1, N+1] mask is built
@@ -362,15 +361,20 @@ class TargetEngine:
 
     def _run_verify(self, jobs: list[VerifyJob], hidden: tuple[int, ...] = ()) -> list[VerifyOutcome]:
         """One forward for the batch; then further one-token steps for the jobs that asked for
-        several (no draft), batched together, each step the same computation as a round of its own."""
+        several (no draft), batched together, each step the same computation as a round of its own.
+        A burst ends early when any other job waits (it would otherwise wait for the whole burst:
+        the next forward batches everyone again)."""
         results = self._verify_step(jobs, hidden)
         for step in range(1, max(j.steps for j in jobs)):
+            if self.batcher.qsize() > 0:
+                break
             more = [i for i, j in enumerate(jobs)
                     if j.steps > step and not _lookup_matches(j) and self._room_for_one(j.seq)]
             if not more:
                 break
-            for i, out in zip(more, self._verify_step([jobs[i] for i in more])):
-                results[i] = dataclasses.replace(results[i], tokens=results[i].tokens + out.tokens)
+            for i, out in zip(more, self._verify_step([jobs[i] for i in more], hidden)):
+                feats = None if out.features is None else torch.cat([results[i].features, out.features])
+                results[i] = dataclasses.replace(results[i], tokens=results[i].tokens + out.tokens, features=feats)
         return results
 
     @staticmethod

@@ -41,15 +41,23 @@ def test_bursts_equal_single_steps_and_batch_together(target_model):
     try:
         firsts = [engine.prefill(f"s{i}", p, GREEDY) for i, p in enumerate(PROMPTS)]
         engine.last_batch_sizes.clear()
+
+        def eight(i: int) -> list[int]:  # bursts of up to 4 (fewer when another job waits) until 8 tokens
+            toks: list[int] = []
+            while len(toks) < 8:
+                out = engine.verify(f"s{i}", DraftProposal([]), steps=min(4, 8 - len(toks)))
+                assert out.accepted == 0 and 1 <= len(out.tokens) <= 4
+                toks += out.tokens
+            return toks
+
         with ThreadPoolExecutor(len(PROMPTS)) as pool:
-            bursts = [pool.submit(engine.verify, f"s{i}", DraftProposal([]), None, None, 4) for i in range(len(PROMPTS))]
-            first = [f.result(60) for f in bursts]
-        second = [engine.verify(f"s{i}", DraftProposal([]), steps=4) for i in range(len(PROMPTS))]
+            got = list(pool.map(eight, range(len(PROMPTS))))
         for i in range(len(PROMPTS)):
-            assert [firsts[i]] + first[i].tokens + second[i].tokens == expected[i]
-            assert first[i].accepted == 0 and len(first[i].tokens) == 4
+            assert [firsts[i]] + got[i] == expected[i]
             assert engine.cache_length(f"s{i}") == len(PROMPTS[i]) + 8
         assert max(engine.last_batch_sizes) > 1  # the concurrent bursts shared forwards
+        alone = engine.verify("s0", DraftProposal([]), steps=4)  # nobody else waits: the whole burst
+        assert alone.tokens == _one_by_one(target_model, 12)[0][9:13]
     finally:
         engine.close()
 
@@ -95,5 +103,24 @@ def test_a_burst_ends_where_prompt_lookup_would_draft(target_model, target_token
         assert burst.tokens == context[len(prompt) + 1:len(prompt) + 1 + expected]
         with pytest.raises(InvalidArgument, match="ngram_min_n"):
             engine.verify("b", DraftProposal([]), steps=2, ngram=(3, 2))
+    finally:
+        engine.close()
+
+
+def test_a_burst_brings_the_features_of_every_step(target_model):
+    import torch
+
+    from specmesh.core.types import FeatureSpec
+
+    spec = FeatureSpec((1, 14), max_rows=4)
+    engine = _engine(target_model)
+    try:
+        engine.prefill_outcome("a", PROMPTS[1], GREEDY, features=spec)
+        steps = [engine.verify("a", DraftProposal([]), features=spec) for _ in range(3)]
+        engine.prefill_outcome("b", PROMPTS[1], GREEDY, features=spec)
+        burst = engine.verify("b", DraftProposal([]), features=spec, steps=3)
+        assert burst.tokens == [t for s in steps for t in s.tokens]
+        assert burst.features.shape[0] == 3  # one committed slot a step
+        assert torch.equal(burst.features, torch.cat([s.features for s in steps]))
     finally:
         engine.close()
