@@ -72,10 +72,11 @@ class Generation:
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
                  control=None, observer=None, feature_spec: FeatureSpec | None = None,
                  rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None,
-                 decode_steps: int = 1, lookup: tuple[int, int] | None = None):
+                 decode_steps: int = 1, lookup: tuple[int, int] | None = None, burst_drafters: bool = False):
         self.req, self.target, self.drafts = req, target, drafts
         self.decode_steps = decode_steps  # rounds without a draft: tokens per Verify call (a burst)
         self.lookup = lookup  # the local n-gram's (min_n, max_n): its bursts end where it would draft
+        self.burst_drafters = burst_drafters  # drafters' k = 0 rounds burst too (see _burst)
         # local_drafters: {method: propose(context, k) -> tokens} run here, with no hop to the draft
         # tier (n-gram: the context is already here); other methods go to the draft tier
         self.local = dict(local_drafters or {})
@@ -151,17 +152,18 @@ class Generation:
 
     def _burst(self, draft) -> tuple[int, tuple[int, int] | None]:
         """(tokens this round decodes, n-gram sizes that end it early). Several for a round without
-        a draft when speculation is off, when the local n-gram found no match (the target stops
-        the burst where it would match: the next round drafts), or when the block drafter's tree
-        was not chosen (the burst brings every position's features); one for the remote chain
-        drafters (their pre-drafts key on every round)."""
+        a draft when speculation is off; with burst_drafters also when the local n-gram found no
+        match (the target stops the burst where it would match: the next round drafts) or when the
+        block drafter's tree was not chosen (the burst brings every position's features). Off by
+        default: measured, those bursts cost n-gram 20-30% at concurrency 4-16 (docs/bench/
+        round_policy.md). One for the remote chain drafters (their pre-drafts key on every round)."""
         if draft.token_ids or self.decode_steps <= 1:
             return 1, None
         if self.method == "off":
             lookup = None
-        elif self.method == "ngram" and "ngram" in self.local and self.lookup is not None:
+        elif self.burst_drafters and self.method == "ngram" and "ngram" in self.local and self.lookup is not None:
             lookup = self.lookup
-        elif self._wants_features():
+        elif self.burst_drafters and self._wants_features():
             lookup = None
         else:
             return 1, None

@@ -458,9 +458,15 @@ def test_ar_rounds_decode_in_bursts_capped_by_max_tokens():
 def test_local_ngram_rounds_without_a_match_burst_until_one():
     target = BurstTarget()
     gen = Generation(request(max_tokens=9, k=2, method="ngram"), target, None, FakeTokenizer(), {EOS}, 5.0,
-                     local_drafters={"ngram": lambda context, k: []}, decode_steps=4, lookup=(2, 3))
+                     local_drafters={"ngram": lambda context, k: []}, decode_steps=4, lookup=(2, 3),
+                     burst_drafters=True)
     run_all(gen)
     assert gen.out.token_ids == SCRIPT[:9] and target.steps == [4, 4] and set(target.ngrams) == {(2, 3)}
+    target = BurstTarget()  # by default a drafter's rounds decode one token each
+    gen = Generation(request(max_tokens=9, k=2, method="ngram"), target, None, FakeTokenizer(), {EOS}, 5.0,
+                     local_drafters={"ngram": lambda context, k: []}, decode_steps=4, lookup=(2, 3))
+    run_all(gen)
+    assert gen.out.token_ids == SCRIPT[:9] and set(target.steps) == {1}
 
 
 def test_speculative_rounds_never_burst():
