@@ -75,14 +75,12 @@ class GrpcTargetClient:
         return PrefillOutcome(resp.token_id, features_from_pb(resp.features), cost_from_pb(resp.verify_cost))
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
-               features: FeatureSpec | None = None, steps: int = 1, ngram: tuple[int, int] | None = None) -> VerifyOutcome:
+               features: FeatureSpec | None = None, steps: int = 1) -> VerifyOutcome:
         vocab = 0 if draft.probs is None else int(draft.probs.shape[1])
         dense, sparse = probs_to_wire(draft.probs)
         req = pb.VerifyRequest(seq_id=seq_id, draft_token_ids=draft.token_ids, draft_probs=dense,
                                draft_sparse_probs=sparse, vocab_size=vocab, draft_parents=draft.parents or [],
                                decode_steps=steps if steps > 1 else 0)
-        if ngram is not None:
-            req.ngram_min_n, req.ngram_max_n = ngram
         if features is not None:
             req.return_features.CopyFrom(feature_request_to_pb(features))
         try:
@@ -149,9 +147,9 @@ class TargetLease:
                           max_new_tokens=max_new_tokens)
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
-               features: FeatureSpec | None = None, steps: int = 1, ngram: tuple[int, int] | None = None) -> VerifyOutcome:
-        if steps > 1:  # a decode burst (no draft), ending where prompt lookup matches
-            return self._call(self.client.verify, seq_id, draft, timeout, features, steps=steps, ngram=ngram)
+               features: FeatureSpec | None = None, steps: int = 1) -> VerifyOutcome:
+        if steps > 1:  # a decode burst (no draft)
+            return self._call(self.client.verify, seq_id, draft, timeout, features, steps=steps)
         if features is None:  # the plain call, as every TargetClient takes it
             return self._call(self.client.verify, seq_id, draft, timeout)
         return self._call(self.client.verify, seq_id, draft, timeout, features)

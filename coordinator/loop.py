@@ -72,11 +72,9 @@ class Generation:
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
                  control=None, observer=None, feature_spec: FeatureSpec | None = None,
                  rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None,
-                 decode_steps: int = 1, lookup: tuple[int, int] | None = None, burst_drafters: bool = False):
+                 decode_steps: int = 1):
         self.req, self.target, self.drafts = req, target, drafts
-        self.decode_steps = decode_steps  # rounds without a draft: tokens per Verify call (a burst)
-        self.lookup = lookup  # the local n-gram's (min_n, max_n): its bursts end where it would draft
-        self.burst_drafters = burst_drafters  # drafters' k = 0 rounds burst too (see _burst)
+        self.decode_steps = decode_steps  # AR rounds (speculation off): tokens per Verify call (a burst)
         # local_drafters: {method: propose(context, k) -> tokens} run here, with no hop to the draft
         # tier (n-gram: the context is already here); other methods go to the draft tier
         self.local = dict(local_drafters or {})
@@ -150,24 +148,14 @@ class Generation:
         self.stats.chosen_k[k] = self.stats.chosen_k.get(k, 0) + 1
         return k
 
-    def _burst(self, draft) -> tuple[int, tuple[int, int] | None]:
-        """(tokens this round decodes, n-gram sizes that end it early). Several for a round without
-        a draft when speculation is off; with burst_drafters also when the local n-gram found no
-        match (the target stops the burst where it would match: the next round drafts) or when the
-        block drafter's tree was not chosen (the burst brings every position's features). Off by
-        default: measured, those bursts cost n-gram 20-30% at concurrency 4-16 (docs/bench/
-        round_policy.md). One for the remote chain drafters (their pre-drafts key on every round)."""
-        if draft.token_ids or self.decode_steps <= 1:
-            return 1, None
-        if self.method == "off":
-            lookup = None
-        elif self.burst_drafters and self.method == "ngram" and "ngram" in self.local and self.lookup is not None:
-            lookup = self.lookup
-        elif self.burst_drafters and self._wants_features():
-            lookup = None
-        else:
-            return 1, None
-        return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids))), lookup
+    def _burst(self, draft) -> int:
+        """Tokens this round decodes: up to decode_steps for a round while speculation is off, else
+        one. A drafter's k = 0 rounds stay one token: letting them burst too (n-gram until a match,
+        the block drafter with every step's features) measured 20-30% slower at concurrency 4-16
+        (docs/bench/decode_bursts.md)."""
+        if draft.token_ids or self.method != "off" or self.decode_steps <= 1:
+            return 1
+        return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids)))
 
     def _wants_features(self) -> bool:
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
@@ -178,13 +166,12 @@ class Generation:
         self._overlap(self.req.prompt_ids + self.out.token_ids, draft)
         t0 = time.monotonic()
         try:
-            steps, lookup = self._burst(draft)
+            steps = self._burst(draft)
             if self._wants_features():
-                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec,
-                                             **({"steps": steps} if steps > 1 else {}))
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec)
                 self._take_features(outcome.features)
             elif steps > 1:
-                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), steps=steps, ngram=lookup)
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), steps=steps)
             else:
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout())
         except (Unavailable, NotFound, DeadlineExceeded) as exc:
@@ -198,8 +185,9 @@ class Generation:
         depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
         if draft.token_ids:
             self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens), positions=depth)
-        for _ in outcome.tokens if not draft.token_ids else ():  # an AR round (maybe a burst): a step a token
-            self.stats.record(0, 0, 1)
+        else:  # an AR round, maybe a burst: one target step per token
+            for _ in outcome.tokens:
+                self.stats.record(0, 0, 1)
         if self.observer is not None:
             self.observer(self.method, len(draft.token_ids), outcome.accepted, len(outcome.tokens),
                           self.stats.draft_time_s - draft_s, time.monotonic() - t0)

@@ -60,7 +60,6 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.predraft_pool = (ThreadPoolExecutor(cfg.coordinator.max_workers, thread_name_prefix="predraft")
                               if cfg.coordinator.overlap_drafting else None)
         ng = cfg.draft_worker.ngram  # n-gram drafts here, next to the context: no Propose hop
-        self.lookup = (ng.min_n, ng.max_n) if cfg.coordinator.local_ngram else None
         self.local_drafters = ({"ngram": lambda context, k: propose_ngram(context, k, ng.min_n, ng.max_n)}
                                if cfg.coordinator.local_ngram else {})
 
@@ -91,7 +90,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                           control=self.control, observer=functools.partial(observe.on_round, arm=arm),
                           feature_spec=self.feature_spec, rate_book=self.rate_book,
                           local_drafters=self.local_drafters, overlap=self.predraft_pool,
-                          decode_steps=c.decode_steps, lookup=self.lookup), arm
+                          decode_steps=c.decode_steps), arm
 
     def _final(self, gen: Generation, tel, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))

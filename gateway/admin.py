@@ -18,9 +18,10 @@ log = logging.getLogger(__name__)
 
 
 class GatewayAdminServicer(apb_grpc.AdminServicer):
-    def __init__(self, guard, admin_stubs, max_deadline_s: float = 30.0):
-        self.stubs = admin_stubs if isinstance(admin_stubs, (list, tuple)) else [admin_stubs]
-        self.guard, self.stub, self.max_deadline_s = guard, self.stubs[0], max_deadline_s
+    def __init__(self, guard, admin_stubs: list, max_deadline_s: float = 30.0):
+        """admin_stubs: one per coordinator the gateway names (GatewayCore.admins)."""
+        self.guard, self.stubs, self.max_deadline_s = guard, admin_stubs, max_deadline_s
+        self.stub = admin_stubs[0]
 
     def _authorize(self, context) -> str:
         rec = self.guard.authenticate(bearer_token(context.invocation_metadata()), admin=True)

@@ -27,7 +27,6 @@ from specmesh.capacity import ROUND_SLOTS  # slots one round may write past the 
 from specmesh.config import MAX_DRAFT_TOKENS, MAX_SEQ_ID_CHARS
 from specmesh.core.costmodel import ROWS as COST_ROWS
 from specmesh.core.costmodel import VerifyCost
-from specmesh.core.ngram import propose_ngram
 from specmesh.core.rejection import verify as verify_round
 from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout, verify_tree
@@ -48,7 +47,6 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator
     pending: int | None = None  # last emitted token, not yet in the cache
-    context: list[int] = field(default_factory=list)  # prompt + every emitted token (pending included)
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a caller holds the sequence for a prefill/verify
     inflight: bool = False  # its job is with the model thread (queued or running)
@@ -68,7 +66,6 @@ class VerifyJob:
     draft: DraftProposal
     features: FeatureSpec | None = None
     steps: int = 1  # with no draft: one-token steps back to back (VerifyRequest.decode_steps)
-    ngram: tuple[int, int] | None = None  # (min_n, max_n): the burst ends where prompt lookup matches
 
 
 DEFAULT_RESERVE = 512  # new tokens reserved for a sequence whose Prefill does not say (it grows past)
@@ -134,12 +131,9 @@ class TargetEngine:
             raise
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float | None = None,
-               features: FeatureSpec | None = None, steps: int = 1,
-               ngram: tuple[int, int] | None = None) -> VerifyOutcome:
+               features: FeatureSpec | None = None, steps: int = 1) -> VerifyOutcome:
         if not 1 <= steps <= MAX_DRAFT_TOKENS or (steps > 1 and draft.token_ids):
             raise InvalidArgument("decode_steps", f"1..{MAX_DRAFT_TOKENS}, and more than 1 only without a draft")
-        if ngram is not None and not 1 <= ngram[0] <= ngram[1] <= 64:
-            raise InvalidArgument("ngram_min_n", "1 <= ngram_min_n <= ngram_max_n <= 64, or both 0")
         if len(draft.token_ids) > MAX_DRAFT_TOKENS:  # before the tree's [N+1, N+1] mask is built
             raise InvalidArgument("draft_token_ids", f"at most {MAX_DRAFT_TOKENS} draft tokens")
         self._check_tokens(draft.token_ids, "draft_token_ids")
@@ -153,7 +147,7 @@ class TargetEngine:
                 raise InvalidArgument("draft_token_ids", "round would run past the context window")
             seq.kv.ensure(seq.kv.length + 1 + len(draft.token_ids))  # Unavailable when the pool is full
             steps = min(steps, self.context_window - seq.kv.length)
-            return self._run_job("verify", VerifyJob(seq, draft, features, steps, ngram), timeout)
+            return self._run_job("verify", VerifyJob(seq, draft, features, steps), timeout)
         finally:
             seq.busy = False
             seq.last_used = time.monotonic()
@@ -351,7 +345,6 @@ class TargetEngine:
             seq.kv.commit(len(job.prompt))
             first = verify_round(out.logits, DraftProposal([]), seq.params, seq.generator).tokens[0]
             seq.pending, seq.busy, seq.last_used = first, False, time.monotonic()
-            seq.context = list(job.prompt) + [first]
             rows = None
             if job.features is not None:  # the last max_rows prompt positions
                 n = len(job.prompt)
@@ -369,7 +362,7 @@ class TargetEngine:
             if self.batcher.qsize() > 0:
                 break
             more = [i for i, j in enumerate(jobs)
-                    if j.steps > step and not _lookup_matches(j) and self._room_for_one(j.seq)]
+                    if j.steps > step and self._room_for_one(j.seq)]
             if not more:
                 break
             for i, out in zip(more, self._verify_step([jobs[i] for i in more], hidden)):
@@ -407,15 +400,9 @@ class TargetEngine:
             else:
                 seq.kv.commit(0, keep=keep)  # the accepted root path moved down (at most k slots)
             seq.pending = outcome.tokens[-1]
-            seq.context += outcome.tokens
             feats = _features(out, hidden, job.features, keep)
             results.append(outcome if feats is None else dataclasses.replace(outcome, features=feats))
         return results
-
-
-def _lookup_matches(job: VerifyJob) -> bool:
-    """Whether prompt lookup would draft from this sequence's context now (job.ngram's sizes)."""
-    return job.ngram is not None and bool(propose_ngram(job.seq.context, 1, *job.ngram))
 
 
 def _features(out: StepOutput, hidden: tuple[int, ...], spec: FeatureSpec | None,

@@ -55,9 +55,8 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
                                  sparse=request.draft_sparse_probs if request.HasField("draft_sparse_probs") else None)
         features = feature_request_from_pb(request)
         with self._slot(context):
-            ngram = (request.ngram_min_n, request.ngram_max_n) if request.ngram_min_n or request.ngram_max_n else None
             out = self.engine.verify(request.seq_id, draft, timeout=context.time_remaining(), features=features,
-                                     steps=max(1, request.decode_steps), ngram=ngram)
+                                     steps=max(1, request.decode_steps))
         set_attributes({"specmesh.seq_id": request.seq_id, "specmesh.drafted_tokens": len(draft.token_ids),
                         "specmesh.accepted_tokens": out.accepted, "specmesh.bonus": out.bonus})
         return pb.VerifyResponse(accepted=out.accepted, token_ids=out.tokens, bonus=out.bonus,

@@ -122,8 +122,6 @@ def run_faults(mesh, faults=FULL, clients: int = 16, max_tokens: int = 24, hold_
     reference = load.reference()
     episodes = []
     for fault in faults:
-        load.stop_event.clear()
-        load.threads.clear()
         begin = time.monotonic()
         load.start()
         time.sleep(3.0)

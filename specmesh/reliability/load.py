@@ -79,6 +79,9 @@ class Load:
                                    self.deadline_s) for i in range(len(PROMPTS))}
 
     def start(self) -> "Load":
+        """Start the clients (again, after stop(): the calls recorded so far are kept)."""
+        self.stop_event.clear()
+        self.threads = []
         for i in range(self.clients):
             t = threading.Thread(target=self._client, args=(i,), name=f"load-{i}", daemon=True)
             t.start()

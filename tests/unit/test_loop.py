@@ -432,11 +432,9 @@ class BurstTarget(FakeTarget):
     def __init__(self):
         super().__init__()
         self.steps: list[int] = []
-        self.ngrams: list = []
 
-    def verify(self, seq_id, draft, timeout, steps=1, ngram=None):
+    def verify(self, seq_id, draft, timeout, steps=1):
         self.steps.append(steps)
-        self.ngrams.append(ngram)
         assert steps == 1 or not draft.token_ids
         out = super().verify(seq_id, draft, timeout)
         for _ in range(steps - 1):
@@ -455,16 +453,10 @@ def test_ar_rounds_decode_in_bursts_capped_by_max_tokens():
     assert (gen.stats.rounds, gen.stats.emitted_tokens, gen.stats.mean_acceptance_length) == (10, 10, 1.0)
 
 
-def test_local_ngram_rounds_without_a_match_burst_until_one():
+def test_local_ngram_rounds_without_a_match_decode_one_token():
     target = BurstTarget()
     gen = Generation(request(max_tokens=9, k=2, method="ngram"), target, None, FakeTokenizer(), {EOS}, 5.0,
-                     local_drafters={"ngram": lambda context, k: []}, decode_steps=4, lookup=(2, 3),
-                     burst_drafters=True)
-    run_all(gen)
-    assert gen.out.token_ids == SCRIPT[:9] and target.steps == [4, 4] and set(target.ngrams) == {(2, 3)}
-    target = BurstTarget()  # by default a drafter's rounds decode one token each
-    gen = Generation(request(max_tokens=9, k=2, method="ngram"), target, None, FakeTokenizer(), {EOS}, 5.0,
-                     local_drafters={"ngram": lambda context, k: []}, decode_steps=4, lookup=(2, 3))
+                     local_drafters={"ngram": lambda context, k: []}, decode_steps=4)
     run_all(gen)
     assert gen.out.token_ids == SCRIPT[:9] and set(target.steps) == {1}
 
