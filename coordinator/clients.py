@@ -38,6 +38,10 @@ from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 MAX_TRACKED_SEQUENCES = 100_000
+# a draft Release is best effort but must not be lost to a loaded host: a generous deadline and
+# two more tries when it timed out or the worker was unreachable for a moment
+RELEASE_TIMEOUT_S, RELEASE_ATTEMPTS = 10.0, 3
+RELEASE_RETRY_CODES = (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.UNAVAILABLE)
 
 
 class GrpcTargetClient:
@@ -280,9 +284,21 @@ class GrpcDraftPool:
             addresses = self._served.pop(seq_id, ())
             targets = [self.members.by_addr[a] for a in addresses if a in self.members.by_addr]
         for m in targets:
-            call = m.client.stub.Release.future(pb.ReleaseDraftRequest(seq_id=seq_id), timeout=2.0)
-            self._releasing.add(call)
-            call.add_done_callback(self._releasing.discard)  # held until it ended (at once if it already did)
+            self._send_release(m, seq_id, RELEASE_ATTEMPTS)
+
+    def _send_release(self, member: Member, seq_id: str, attempts: int) -> None:
+        """Held until it ended (at once if it already did); a Release that timed out or found the
+        worker unreachable (a loaded host, a reconnect) is sent again, up to `attempts` times."""
+        call = member.client.stub.Release.future(pb.ReleaseDraftRequest(seq_id=seq_id), timeout=RELEASE_TIMEOUT_S)
+        self._releasing.add(call)
+
+        def ended(c) -> None:
+            retry = attempts > 1 and not c.cancelled() and c.code() in RELEASE_RETRY_CODES
+            if retry and member.address in self.members.by_addr:
+                self._send_release(member, seq_id, attempts - 1)
+            self._releasing.discard(c)
+
+        call.add_done_callback(ended)
 
 
 def pools_from_config(cfg, ccfg=None, fingerprint: str = ""):

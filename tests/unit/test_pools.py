@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections import Counter
 
 import grpc
-from collections import Counter
 
 import pytest
 
@@ -104,9 +104,15 @@ def test_draft_pool_least_loaded_method_filter_and_draining():
         GrpcDraftPool()._pick("s", "ngram")
 
 
-class _Done:  # a Release future that has ended
+class _Done:  # a Release future that has ended well
     def add_done_callback(self, fn):
         fn(self)
+
+    def cancelled(self):
+        return False
+
+    def code(self):
+        return grpc.StatusCode.OK
 
 
 def test_draft_pool_spreads_rounds_and_releases_only_where_served():
