@@ -17,6 +17,14 @@
 
 namespace {
 
+// Each k step reads one 64-byte line of a panel; the packed weight is one contiguous stream (panel
+// p + 1 follows panel p). A software prefetch 16 lines ahead keeps DRAM reads in flight while the
+// FMAs of a multi-row tile run, where the hardware prefetcher alone stalls at page boundaries:
+// measured on a 2-core Xeon (AVX-512, ~13 GB/s), a 5-row pass over SmolLM2's 540 MB of linears
+// took 56 ms without it and 49 ms with it (1 row: 42 ms either way). Prefetches past the end of
+// the weight are harmless (they never fault). Arithmetic is unchanged: still row-invariant.
+constexpr int PREFETCH_BYTES = 1024;
+
 inline void store(float* y, const float* bias, __m256 a0, __m256 a1, int nc) {
   alignas(32) float t[16];
   _mm256_store_ps(t, a0);
@@ -31,6 +39,7 @@ void tile16(const float* x, int64_t K, const float* panel, const float* bias, fl
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(panel + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -51,6 +60,8 @@ void tile32(const float* x, int64_t K, const float* pa, const float* pb, const f
 #pragma GCC unroll 2
   for (int i = 0; i < MR; ++i) a0[i] = a1[i] = b0[i] = b1[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
+    _mm_prefetch(reinterpret_cast<const char*>(pa + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    _mm_prefetch(reinterpret_cast<const char*>(pb + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(pa + k * 16), w1 = _mm256_loadu_ps(pa + k * 16 + 8);
     const __m256 w2 = _mm256_loadu_ps(pb + k * 16), w3 = _mm256_loadu_ps(pb + k * 16 + 8);
 #pragma GCC unroll 2
