@@ -18,17 +18,23 @@ def test_unusable_reasons_are_named():
                                                                     f"not x86-64 ({__import__('platform').machine()})")
 
 
+def test_avx512_tiles_are_built_only_where_the_cpu_has_them():
+    assert "-mavx512f" in cpu_gemm.build_flags("flags\t: fpu avx2 fma avx512f avx512bw\n")
+    assert cpu_gemm.build_flags("flags\t: fpu avx2 fma\n") == ["-O3", "-mavx2", "-mfma"]
+
+
 @needs_kernel
 @pytest.mark.parametrize("n_out,n_in", [(40, 24), (16, 8), (33, 17), (5, 64)])
 def test_matches_f_linear_and_every_row_count_is_bitwise_the_one_row_calls(n_out, n_in):
     gen = torch.Generator().manual_seed(n_out * 7 + n_in)
     w, b = torch.randn(n_out, n_in, generator=gen), torch.randn(n_out, generator=gen)
     wp = ext.pack(w)
-    x = torch.randn(13, n_in, generator=gen) * torch.exp2(torch.randint(-8, 9, (13, n_in), generator=gen).float())
-    singles = torch.cat([ext.linear(x[i : i + 1], wp, b, n_out) for i in range(13)])
+    rows = 27  # AVX2: blocks of 6 and a 3-row tail; AVX-512: blocks of 12 and a 3-row tail
+    x = torch.randn(rows, n_in, generator=gen) * torch.exp2(torch.randint(-8, 9, (rows, n_in), generator=gen).float())
+    singles = torch.cat([ext.linear(x[i : i + 1], wp, b, n_out) for i in range(rows)])
     assert torch.allclose(singles, F.linear(x, w, b), rtol=1e-4, atol=1e-3 * float(x.abs().max()))
-    for m in range(1, 14):  # 1-2 rows use 32-column tiles, 3-6 16-column ones, blocks of 6 beyond
-        for start in (0, 13 - m):
+    for m in range(1, rows + 1):  # AVX2: 1-2 rows use 32-column tiles, 3-6 16-column ones
+        for start in (0, rows - m):
             assert torch.equal(ext.linear(x[start : start + m], wp, b, n_out), singles[start : start + m]), (m, start)
     assert ext.linear(x[:3].view(1, 3, n_in), wp, None, n_out).shape == (1, 3, n_out)
 
