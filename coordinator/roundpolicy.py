@@ -34,7 +34,7 @@ class RoundPolicy:
         # Speculation itself pulls sequences out of step (each waits for its own draft), which
         # shrinks the mean batch, which made drafting look cheap: a self-fulfilling loss (the pair
         # at concurrency 4, docs/pair.md). The live count is the batch a plain step would share.
-        others = self.others()
+        others = max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
         draft_s = self.draft_s.get(method, 0.0)  # a drafting round also waits for its draft
         per_token = method in AUTOREGRESSIVE_DRAFTERS
 
@@ -45,10 +45,6 @@ class RoundPolicy:
         if isinstance(policy, TreePolicy):
             return max(0, min(fixed_k, limit)) if policy.choose(seconds, others) else 0
         return policy.choose(seconds, limit=limit, others=others)
-
-    def others(self) -> float:
-        """Sequences the target's next forward holds besides this one (0: alone or no cost model yet)."""
-        return 0.0 if self.cost is None else max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
 
     def _policy(self, method: str) -> KPolicy | TreePolicy | None:
         """None: k is fixed (goodput off, the hot switch overrides k, or no cost model yet)."""

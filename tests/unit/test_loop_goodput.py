@@ -204,16 +204,3 @@ def test_rounds_the_policy_runs_without_a_draft_decode_in_bursts_as_ar_does():
                      local_drafters={"ngram": lambda context, k: []})
     list(gen.run())
     assert gen.stats.chosen_k.get(0, 0) <= 1 and missed.steps == [(0, 1)] * 19  # every miss: one step
-
-
-def test_a_drafters_miss_bursts_only_while_the_target_serves_others_too():
-    class Loaded(CostedBurstTarget):
-        def _cost(self):
-            return {**super()._cost(), "live": 4}  # three other sequences share every forward
-
-    target = Loaded({1: 1.0, 9: 1.05})  # verify nearly free: the policy keeps drafting
-    req = dataclasses.replace(request(max_tokens=20, k=4, method="ngram"), k_max=6)
-    gen = Generation(req, target, None, FakeTokenizer(), {99}, 5.0, decode_steps=4,
-                     local_drafters={"ngram": lambda context, k: []})
-    assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:20]
-    assert target.steps == [(0, 4)] * 4 + [(0, 3)]  # each miss decodes a burst (the prefill sent the cost)
