@@ -170,37 +170,3 @@ def test_rounds_without_drafts_predraft_and_a_draft_made_during_the_verify_is_us
         assert runs[True].chosen_k.get(0, 0) >= 1 and runs[True].predraft_hits >= 5
         assert runs[True].accepted_tokens >= 15, runs[True]
 
-
-class CostedBurstTarget(CostedTarget):
-    """CostedTarget that decodes `steps` tokens of its script per call without a draft."""
-
-    def __init__(self, table, **kw):
-        super().__init__(table, **kw)
-        self.steps: list[tuple[int, int]] = []  # (draft length, steps) per call
-
-    def verify(self, seq_id, draft, timeout, steps=1):
-        self.steps.append((len(draft.token_ids), steps))
-        assert steps == 1 or not draft.token_ids
-        out = super().verify(seq_id, draft, timeout)
-        for _ in range(steps - 1):
-            out = dataclasses.replace(out, tokens=out.tokens + super().verify(seq_id, draft, timeout).tokens)
-        return out
-
-
-def test_rounds_the_policy_runs_without_a_draft_decode_in_bursts_as_ar_does():
-    """k = 0 by the goodput rule: the round is an AR round and asks for decode_steps tokens; a
-    drafted round and a drafter's miss (asked, found nothing) stay one step."""
-    target, drafts = CostedBurstTarget({1: 1.0, 2: 1.6, 9: 5.0}), FakeDrafts(wrong_after=0)
-    req = dataclasses.replace(request(max_tokens=60, k=4), k_max=6)
-    gen = Generation(req, target, drafts, FakeTokenizer(), {99}, 5.0, decode_steps=4)
-    assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:60]
-    bursts = [s for n, s in target.steps if n == 0 and s > 1]
-    assert bursts and sum(bursts) >= 0.6 * 60  # most tokens came in bursts, up to 4 per call
-    assert all(s == 1 for n, s in target.steps if n > 0)  # the probes' drafts: one step
-    assert gen.stats.emitted_tokens == 59 and sum(gen.stats.chosen_k.values()) == len(target.steps)
-    missed = CostedBurstTarget({1: 1.0, 9: 1.05})  # verify nearly free: the policy drafts
-    req = dataclasses.replace(request(max_tokens=20, k=4, method="ngram"), k_max=6)
-    gen = Generation(req, missed, None, FakeTokenizer(), {99}, 5.0, decode_steps=4,
-                     local_drafters={"ngram": lambda context, k: []})
-    list(gen.run())
-    assert gen.stats.chosen_k.get(0, 0) <= 1 and missed.steps == [(0, 1)] * 19  # every miss: one step
