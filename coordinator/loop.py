@@ -104,6 +104,7 @@ class Generation:
         self.seq_id = f"{req.request_id}-{uuid.uuid4().hex[:8]}"
         self.method, self.k = self._settings()
         self.ttft_s: float | None = None
+        self._chose_zero = False  # this round's k = 0 was the round policy's choice
 
     def _remaining(self) -> float:
         if self.req.deadline is None:
@@ -146,18 +147,21 @@ class Generation:
             ready = self.predraft.ready(self.req.prompt_ids + self.out.token_ids)
         k = self.rounds.k(self.method, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready)
         self.stats.chosen_k[k] = self.stats.chosen_k.get(k, 0) + 1
+        self._chose_zero = k == 0
         return k
 
     def _burst(self, draft) -> int:
-        """Tokens this round decodes: up to decode_steps for a round while speculation is off, else
-        one. A speculative request's rounds without a draft stay one token: letting them burst
-        measured slower for n-gram at concurrency 4-16 each time it was tried (n-gram until a match,
-        session 9; the goodput rule's k = 0 rounds, and misses under load, session 10:
-        docs/bench/xeon_kernel.md), though AR bursts pay."""
-        if draft.token_ids or self.method != "off" or self.decode_steps <= 1:
+        """Tokens this round decodes: up to decode_steps for a round while speculation is off, or a
+        draft tree's round that the round policy switched off (a tree is all or nothing and stays
+        off for long stretches at load), else one. A chain's rounds without a draft stay one
+        token: letting them burst measured slower for n-gram at concurrency 4-16 each time it was
+        tried (n-gram until a match, session 9; the goodput rule's k = 0 rounds, and misses under
+        load, session 10), while bursting the tree's off rounds paid (docs/bench/xeon_kernel.md)."""
+        if draft.token_ids or self.decode_steps <= 1:
+            return 1
+        if self.method != "off" and not (self._chose_zero and self.req.tree_budget > 0):
             return 1
         return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids)))
-
     def _wants_features(self) -> bool:
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
 
@@ -168,7 +172,11 @@ class Generation:
         t0 = time.monotonic()
         try:
             steps = self._burst(draft)
-            if self._wants_features():
+            if self._wants_features() and steps > 1:
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec,
+                                             steps=steps)
+                self._take_features(outcome.features)
+            elif self._wants_features():
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec)
                 self._take_features(outcome.features)
             elif steps > 1:

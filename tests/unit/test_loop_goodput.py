@@ -170,3 +170,35 @@ def test_rounds_without_drafts_predraft_and_a_draft_made_during_the_verify_is_us
         assert runs[True].chosen_k.get(0, 0) >= 1 and runs[True].predraft_hits >= 5
         assert runs[True].accepted_tokens >= 15, runs[True]
 
+
+
+class CostedBurstTarget(CostedTarget):
+    """CostedTarget that decodes `steps` tokens of its script per call without a draft."""
+
+    def __init__(self, table, **kw):
+        super().__init__(table, **kw)
+        self.steps: list[tuple[int, int]] = []  # (draft length, steps) per call
+
+    def verify(self, seq_id, draft, timeout, steps=1):
+        self.steps.append((len(draft.token_ids), steps))
+        assert steps == 1 or not draft.token_ids
+        out = super().verify(seq_id, draft, timeout)
+        for _ in range(steps - 1):
+            out = dataclasses.replace(out, tokens=out.tokens + super().verify(seq_id, draft, timeout).tokens)
+        return out
+
+
+def test_a_tree_the_policy_switched_off_decodes_in_bursts_and_a_chain_does_not():
+    """k = 0 by the goodput rule: a tree's round (all or nothing, off for long stretches) asks for
+    decode_steps tokens as AR does; a chain's k = 0 round stays one step (measured slower for
+    n-gram when it burst); a drafted round is always one step."""
+    costly = {1: 1.0, 2: 1.6, 9: 5.0}
+    tree, chain = CostedBurstTarget(costly), CostedBurstTarget(costly)
+    for target, budget in ((tree, 8), (chain, 0)):
+        req = dataclasses.replace(request(max_tokens=60, k=4), k_max=6, tree_budget=budget)
+        gen = Generation(req, target, FakeDrafts(wrong_after=0), FakeTokenizer(), {99}, 5.0, decode_steps=4)
+        assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:60]
+        assert all(s == 1 for n, s in target.steps if n > 0)  # the probes' drafts: one step
+    bursts = [s for n, s in tree.steps if n == 0 and s > 1]
+    assert bursts and sum(bursts) >= 0.6 * 59  # most of the tree request's tokens came in bursts
+    assert {s for _, s in chain.steps} == {1}
