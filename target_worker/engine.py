@@ -103,8 +103,9 @@ class TargetEngine:
         # batch_gather: a verify batch waits up to this fraction of the last verify forward for the
         # sequences between two rounds (their callers are turning a result into the next round)
         self.batch_gather, self._last_verify_s = batch_gather, 0.0
+        self.max_batch_size = max_batch_size
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="target-batcher",
-                               gather=self._gather if batch_gather > 0 else None)
+                               gather=self._gather if batch_gather > 0 else None, streaming=True)
         self.last_batch_sizes: list[int] = []
 
     # ------------------------------------------------------------------ public API (any thread)
@@ -316,20 +317,20 @@ class TargetEngine:
                          if not q.inflight and not q.released and q.pending is not None and now - q.last_used < recent_s)
         return n + coming, self.batch_gather * self._last_verify_s
 
-    def _run_batch(self, kind: str, jobs: list) -> list:
+    def _run_batch(self, kind: str, jobs: list, stream=None) -> list:
+        jobs = list(jobs)  # verify steps append the jobs that join mid-batch
         try:
-            return self._run_jobs(kind, jobs)
+            return self._run_jobs(kind, jobs, stream)
         finally:
-            for job in jobs:
-                self._job_done(job.seq)
+            for i, job in enumerate(jobs):
+                if stream is None or not stream.delivered(i):
+                    self._job_done(job.seq)
 
-    def _run_jobs(self, kind: str, jobs: list) -> list:
-        self.last_batch_sizes = (self.last_batch_sizes + [len(jobs)])[-256:]
-        # HF hidden_states indices of every requested decoder layer (layer l -> index l + 1)
-        hidden = tuple(sorted({layer + 1 for j in jobs if j.features for layer in j.features.layers}))
+    def _run_jobs(self, kind: str, jobs: list, stream=None) -> list:
         if kind == "prefill":
-            return self._run_prefill(jobs, hidden)
-        return self._run_verify(jobs, hidden)
+            self.last_batch_sizes = (self.last_batch_sizes + [len(jobs)])[-256:]
+            return self._run_prefill(jobs, _hidden(jobs))
+        return self._run_verify(jobs, stream)
 
     def _run_prefill(self, jobs: list[PrefillJob], hidden: tuple[int, ...] = ()) -> list[PrefillOutcome]:
         last = [[len(j.prompt) - 1] for j in jobs]  # logits of the last prompt position only
@@ -352,22 +353,34 @@ class TargetEngine:
             firsts.append(PrefillOutcome(first, _features(out, hidden, job.features, rows)))
         return firsts
 
-    def _run_verify(self, jobs: list[VerifyJob], hidden: tuple[int, ...] = ()) -> list[VerifyOutcome]:
-        """One forward for the batch; then further one-token steps for the jobs that asked for
-        several (no draft), batched together, each step the same computation as a round of its own.
-        A burst ends early when any other job waits (it would otherwise wait for the whole burst:
-        the next forward batches everyone again)."""
-        results = self._verify_step(jobs, hidden)
-        for step in range(1, max(j.steps for j in jobs)):
-            if self.batcher.qsize() > 0:
+    def _run_verify(self, jobs: list[VerifyJob], stream=None) -> list[VerifyOutcome]:
+        """Step by step: every running job's next position(s) in one forward. A job is answered as
+        soon as its own steps are done (a round: one step; a decode burst: up to its steps), and
+        verify jobs that arrive meanwhile join the next step, so a burst neither holds a round
+        back nor is cut short by one. A prefill waiting ends the bursts (their callers ask again).
+        jobs grows by the joiners; the result list matches it."""
+        results: list[VerifyOutcome | None] = [None] * len(jobs)
+        taken = [0] * len(jobs)
+        running = list(range(len(jobs)))
+        while running:
+            self.last_batch_sizes = (self.last_batch_sizes + [len(running)])[-256:]  # sequences per forward
+            outs = self._verify_step([jobs[i] for i in running], _hidden([jobs[i] for i in running]))
+            for i, out in zip(running, outs):
+                results[i], taken[i] = _joined(results[i], out), taken[i] + 1
+            if stream is None:  # not streaming: the first step's answer for every job
                 break
-            more = [i for i, j in enumerate(jobs)
-                    if j.steps > step and self._room_for_one(j.seq)]
-            if not more:
+            for i in running:
+                if taken[i] >= jobs[i].steps or not self._room_for_one(jobs[i].seq):
+                    self._job_done(jobs[i].seq)
+                    stream.deliver(i, results[i])
+            if stream.others_waiting():
                 break
-            for i, out in zip(more, self._verify_step([jobs[i] for i in more], hidden)):
-                feats = None if out.features is None else torch.cat([results[i].features, out.features])
-                results[i] = dataclasses.replace(results[i], tokens=results[i].tokens + out.tokens, features=feats)
+            left = [i for i in running if not stream.delivered(i)]
+            joined = stream.take_more(self.max_batch_size - len(left))  # they run at least one step
+            jobs.extend(joined)
+            results += [None] * len(joined)
+            taken += [0] * len(joined)
+            running = left + list(range(len(jobs) - len(joined), len(jobs)))
         return results
 
     @staticmethod
@@ -403,6 +416,19 @@ class TargetEngine:
             feats = _features(out, hidden, job.features, keep)
             results.append(outcome if feats is None else dataclasses.replace(outcome, features=feats))
         return results
+
+
+def _hidden(jobs: list) -> tuple[int, ...]:
+    """HF hidden_states indices of every decoder layer the jobs ask features of (layer l -> l + 1)."""
+    return tuple(sorted({layer + 1 for j in jobs if j.features for layer in j.features.layers}))
+
+
+def _joined(first: VerifyOutcome | None, more: VerifyOutcome) -> VerifyOutcome:
+    """A burst's outcome so far followed by its next step's."""
+    if first is None:
+        return more
+    feats = None if more.features is None else torch.cat([first.features, more.features])
+    return dataclasses.replace(first, tokens=first.tokens + more.tokens, features=feats)
 
 
 def _features(out: StepOutput, hidden: tuple[int, ...], spec: FeatureSpec | None,

@@ -9,6 +9,11 @@ Optionally (`gather`) the model thread waits a little for jobs it knows are comi
 worker's sequences between two rounds come back within a few ms of each other (each caller
 turns its result into the next request), and a batch started on the first of them leaves the
 rest for another whole forward. gather(kind, n) -> (jobs expected in all, longest wait in s).
+
+Optionally (`streaming`) a batch runs step by step: run_batch(kind, payloads, stream) may answer a
+job as soon as its own steps are done (stream.deliver) and take jobs of its kind queued meanwhile
+into its next step (stream.take_more), as vLLM's scheduler does per iteration; a job of another
+kind waiting (stream.others_waiting) tells it to finish.
 """
 
 from __future__ import annotations
@@ -33,13 +38,55 @@ class Job:
     future: Future = field(default_factory=Future)
 
 
+class Stream:
+    """The running batch of a streaming Batcher, seen from run_batch (the model thread only)."""
+
+    def __init__(self, batcher: "Batcher", jobs: list[Job]):
+        self._batcher, self.jobs, self._done = batcher, jobs, set()
+
+    def delivered(self, i: int) -> bool:
+        return i in self._done
+
+    def deliver(self, i: int, result: Any) -> None:
+        """Answer job i now (a result, or an exception to raise in its caller)."""
+        self._done.add(i)
+        _settle(self.jobs[i].future, result)
+
+    def take_more(self, limit: int) -> list:
+        """Payloads of up to `limit` queued jobs of this batch's kind, now part of it (no wait);
+        jobs of another kind met on the way are held for the next batch."""
+        b, kind, taken = self._batcher, self.jobs[0].kind, []
+        while len(taken) < limit:
+            try:
+                job = b._queue.get_nowait()
+            except queue.Empty:
+                break
+            if job.kind != kind:
+                b._held.append(job)
+            elif job.future.set_running_or_notify_cancel():
+                self.jobs.append(job)
+                taken.append(job.payload)
+        return taken
+
+    def others_waiting(self) -> bool:
+        return bool(self._batcher._held)
+
+
+def _settle(future: Future, result: Any) -> None:
+    if isinstance(result, BaseException):
+        future.set_exception(result)
+    else:
+        future.set_result(result)
+
+
 class Batcher:
     """run_batch(kind, payloads) -> results (same order), or raises: the error goes to each job."""
 
     def __init__(self, run_batch: Callable[[str, list], list], max_batch: int, max_queue: int = 1024, name: str = "batcher",
-                 gather: Callable[[str, int], tuple[int, float]] | None = None):
+                 gather: Callable[[str, int], tuple[int, float]] | None = None, streaming: bool = False):
         self._run_batch = run_batch
         self._gather = gather
+        self._streaming = streaming
         self._max_batch = max_batch
         self._queue: queue.Queue[Job] = queue.Queue(maxsize=max_queue)
         self._held: list[Job] = []  # jobs taken off the queue but of another kind than the batch
@@ -111,24 +158,28 @@ class Batcher:
             except queue.Empty:
                 continue
             live = [j for j in batch if j.future.set_running_or_notify_cancel()]
-            if not live:
-                continue
-            try:
-                results = self._run_batch(live[0].kind, [j.payload for j in live])
-            except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
-                log.exception("batch of %d %s jobs failed", len(live), live[0].kind)
-                for j in live:
+            if live:
+                self._run(live)
+
+    def _run(self, live: list[Job]) -> None:
+        stream = Stream(self, live) if self._streaming else None
+        try:
+            payloads = [j.payload for j in live]
+            results = self._run_batch(live[0].kind, payloads, stream) if stream else self._run_batch(live[0].kind, payloads)
+        except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
+            log.exception("batch of %d %s jobs failed", len(live), live[0].kind)
+            for j in live:
+                if not j.future.done():
                     j.future.set_exception(exc)
-                continue
-            if len(results) != len(live):
-                exc = RuntimeError(f"batch returned {len(results)} results for {len(live)} jobs")
-                for j in live:
+            return
+        if len(results) != len(live):
+            exc = RuntimeError(f"batch returned {len(results)} results for {len(live)} jobs")
+            for j in live:
+                if not j.future.done():
                     j.future.set_exception(exc)
-                continue
-            self.batches_run += 1
-            self.jobs_run += len(live)
-            for j, r in zip(live, results):
-                if isinstance(r, BaseException):
-                    j.future.set_exception(r)
-                else:
-                    j.future.set_result(r)
+            return
+        self.batches_run += 1
+        self.jobs_run += len(live)
+        for i, (j, r) in enumerate(zip(live, results)):
+            if stream is None or not stream.delivered(i):
+                _settle(j.future, r)

@@ -295,3 +295,30 @@ def test_gather_counts_a_slow_models_sequences_between_rounds(target_model):
         assert engine._gather("verify", 1)[0] == 1
     finally:
         engine.close()
+
+
+def test_a_streaming_batch_answers_early_takes_joiners_and_yields_to_another_kind(make_batcher):
+    """streaming=True: run_batch gets the Stream; a job answered with deliver() gets its result at
+    once (the batch still runs), queued jobs of the batch's kind join it, a job of another kind is
+    held for the next batch and reported by others_waiting()."""
+    proceed, seen = threading.Event(), {}
+
+    def run(kind, payloads, stream):
+        if kind != "step":
+            return [f"{kind}:{p}" for p in payloads]
+        stream.deliver(0, "early")  # the first job is done after its first step
+        assert proceed.wait(WAIT)  # meanwhile: another "step" job and a "prefill" job queue up
+        joined = stream.take_more(4)
+        seen.update(joined=joined, others=stream.others_waiting())
+        payloads = payloads + joined
+        return [f"late:{p}" for p in payloads]
+
+    b = make_batcher(run, max_batch=8, streaming=True)
+    first, second = b.submit("step", "a"), b.submit("step", "b")
+    assert first.result(WAIT) == "early" and not second.done()
+    joiner, other = b.submit("step", "c"), b.submit("prefill", "p")
+    proceed.set()
+    assert second.result(WAIT) == "late:b" and joiner.result(WAIT) == "late:c"
+    assert other.result(WAIT) == "prefill:p"  # ran as its own batch after
+    # "b" was in the first batch, or (the model thread took "a" before "b" was queued) joined with "c"
+    assert seen["joined"] in (["c"], ["b", "c"]) and seen["others"]

@@ -5,6 +5,7 @@ limit is refused."""
 
 from __future__ import annotations
 
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -99,5 +100,43 @@ def test_a_burst_brings_the_features_of_every_step(target_model):
         assert burst.tokens == [t for s in steps for t in s.tokens]
         assert burst.features.shape[0] == 3  # one committed slot a step
         assert torch.equal(burst.features, torch.cat([s.features for s in steps]))
+    finally:
+        engine.close()
+
+
+def test_a_round_joins_a_running_burst_and_is_answered_after_its_own_step(target_model):
+    """Step-level batching: a verify round that arrives while another sequence's burst runs joins
+    the burst's next forward and is answered right after it; the burst is not cut short."""
+    import threading
+
+    expected = _one_by_one(target_model, 12)
+    engine = _engine(target_model)
+    try:
+        firsts = [engine.prefill(f"s{i}", p, GREEDY) for i in range(2) for p in [PROMPTS[i]]]
+        assert firsts == [expected[0][0], expected[1][0]]
+        started, ended = threading.Event(), {}
+        orig = engine._verify_step
+
+        def step(jobs, hidden=()):  # the burst's first forward has begun: now send the round
+            started.set()
+            return orig(jobs, hidden)
+
+        engine._verify_step = step
+
+        def burst():
+            out = engine.verify("s0", DraftProposal([]), steps=12)
+            ended["burst"] = time.monotonic()
+            return out
+
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(burst)
+            assert started.wait(30)
+            round_ = engine.verify("s1", DraftProposal([expected[1][1], 7]))  # one right, one wrong draft
+            answered = time.monotonic()
+            out = fut.result(60)
+        assert round_.tokens == expected[1][1:3] and round_.accepted == 1
+        assert out.tokens == expected[0][1:13]  # all 12 steps: the round did not cut the burst short
+        assert answered < ended["burst"]  # answered while the burst still ran
+        assert max(engine.last_batch_sizes) == 2  # the round shared a forward with the burst
     finally:
         engine.close()
