@@ -69,7 +69,8 @@ class Stream:
         return taken
 
     def others_waiting(self) -> bool:
-        return bool(self._batcher._held)
+        """A job of another kind waits, or the batcher is closing: finish the batch now."""
+        return bool(self._batcher._held) or self._batcher._stop.is_set()
 
 
 def _settle(future: Future, result: Any) -> None:
