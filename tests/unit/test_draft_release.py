@@ -6,6 +6,7 @@ being stored back."""
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import socket
 import threading
@@ -43,24 +44,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def test_every_release_reaches_the_draft_worker():
-    recorder, address = _Recorder(), f"127.0.0.1:{_free_port()}"
+@contextlib.contextmanager
+def _pool_and_worker(recorder):
+    """A GrpcDraftPool over one real gRPC draft-worker server that records Releases."""
+    address = f"127.0.0.1:{_free_port()}"
     server = grpc.server(futures.ThreadPoolExecutor(4))
     pb_grpc.add_DraftWorkerServicer_to_server(recorder, server)
     server.add_insecure_port(address)
     server.start()
     pool = GrpcDraftPool((address,))
     try:
-        seqs = [f"s{i}" for i in range(40)]
-        for seq in seqs:
-            pool.members.done(pool._pick(seq, "draft_model"))
-            pool.release(seq)
-            gc.collect()  # what a busy coordinator does to an unreferenced future
-        _assert_all_released(pool, recorder, seqs)
+        yield pool
     finally:
         for m in pool.members.snapshot():
             m.client.close()
         server.stop(None)
+
+
+def _release_each(pool, seqs, collect: bool = False) -> None:
+    for seq in seqs:
+        pool.members.done(pool._pick(seq, "draft_model"))
+        pool.release(seq)
+        if collect:
+            gc.collect()  # what a busy coordinator does to an unreferenced future
 
 
 def _assert_all_released(pool, recorder, seqs) -> None:
@@ -73,26 +79,22 @@ def _assert_all_released(pool, recorder, seqs) -> None:
     assert not pool._releasing
 
 
+def test_every_release_reaches_the_draft_worker():
+    recorder, seqs = _Recorder(), [f"s{i}" for i in range(40)]
+    with _pool_and_worker(recorder) as pool:
+        _release_each(pool, seqs, collect=True)
+        _assert_all_released(pool, recorder, seqs)
+
+
 def test_a_release_that_timed_out_is_sent_again(monkeypatch):
     """CI once lost 2 of 40 Releases on a loaded host (2 s deadline, no retry)."""
     import coordinator.clients as clients
 
     monkeypatch.setattr(clients, "RELEASE_TIMEOUT_S", 0.3)
-    recorder, address = _Recorder(stall=2, stall_s=0.8), f"127.0.0.1:{_free_port()}"
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_DraftWorkerServicer_to_server(recorder, server)
-    server.add_insecure_port(address)
-    server.start()
-    pool = GrpcDraftPool((address,))
-    try:
-        for seq in ("a", "b"):
-            pool.members.done(pool._pick(seq, "draft_model"))
-            pool.release(seq)
+    recorder = _Recorder(stall=2, stall_s=0.8)
+    with _pool_and_worker(recorder) as pool:
+        _release_each(pool, ["a", "b"])
         _assert_all_released(pool, recorder, ["a", "b"])
-    finally:
-        for m in pool.members.snapshot():
-            m.client.close()
-        server.stop(None)
 
 
 def test_a_release_while_drafting_is_not_undone_by_the_store_back():
