@@ -162,6 +162,7 @@ class Generation:
         if self.method != "off" and not (self._chose_zero and self.req.tree_budget > 0):
             return 1
         return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids)))
+
     def _wants_features(self) -> bool:
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
 
@@ -172,17 +173,13 @@ class Generation:
         t0 = time.monotonic()
         try:
             steps = self._burst(draft)
-            if self._wants_features() and steps > 1:
+            burst = {"steps": steps} if steps > 1 else {}  # a plain round: the call every TargetClient takes
+            if self._wants_features():
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec,
-                                             steps=steps)
+                                             **burst)
                 self._take_features(outcome.features)
-            elif self._wants_features():
-                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec)
-                self._take_features(outcome.features)
-            elif steps > 1:
-                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), steps=steps)
             else:
-                outcome = self.target.verify(self.seq_id, draft, self._call_timeout())
+                outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), **burst)
         except (Unavailable, NotFound, DeadlineExceeded) as exc:
             if not self._may_reroute(exc):
                 raise

@@ -80,6 +80,13 @@ def _settle(future: Future, result: Any) -> None:
         future.set_result(result)
 
 
+def _fail_unanswered(jobs: list[Job], exc: BaseException) -> None:
+    """The error to every job not answered yet (a streaming batch may have answered some)."""
+    for j in jobs:
+        if not j.future.done():
+            j.future.set_exception(exc)
+
+
 class Batcher:
     """run_batch(kind, payloads) -> results (same order), or raises: the error goes to each job."""
 
@@ -169,15 +176,10 @@ class Batcher:
             results = self._run_batch(live[0].kind, payloads, stream) if stream else self._run_batch(live[0].kind, payloads)
         except BaseException as exc:  # noqa: BLE001 - delivered to every waiting caller
             log.exception("batch of %d %s jobs failed", len(live), live[0].kind)
-            for j in live:
-                if not j.future.done():
-                    j.future.set_exception(exc)
+            _fail_unanswered(live, exc)
             return
         if len(results) != len(live):
-            exc = RuntimeError(f"batch returned {len(results)} results for {len(live)} jobs")
-            for j in live:
-                if not j.future.done():
-                    j.future.set_exception(exc)
+            _fail_unanswered(live, RuntimeError(f"batch returned {len(results)} results for {len(live)} jobs"))
             return
         self.batches_run += 1
         self.jobs_run += len(live)

@@ -80,6 +80,25 @@ void tile32(const float* x, int64_t K, const float* pa, const float* pb, const f
   }
 }
 
+// Panel p and (when `pair`) p + 1 of a packed weight, i.e. output columns n0 .. n0 + 31: where
+// they start, how many of their 16 columns are real, and their bias.
+struct PanelPair {
+  int64_t n0;
+  const float* pa;
+  const float* pb;  // nullptr without a pair
+  int nca, ncb;
+  const float* ba;
+  const float* bb;
+  PanelPair(const float* wp, int64_t p, bool pair, int64_t K, int64_t N, const float* bias)
+      : n0(p * 16),
+        pa(wp + p * K * 16),
+        pb(pair ? pa + K * 16 : nullptr),
+        nca(static_cast<int>(std::min<int64_t>(16, N - n0))),
+        ncb(pair ? static_cast<int>(std::min<int64_t>(16, N - n0 - 16)) : 0),
+        ba(bias ? bias + n0 : nullptr),
+        bb(bias ? bias + n0 + 16 : nullptr) {}
+};
+
 #ifdef __AVX512F__
 // AVX-512 (built where the CPU has it): one zmm holds a whole 16-column panel row, so MR rows x two
 // panels need 2 * MR accumulators; up to 12 rows per tile (24 of the 32 registers) halves the FMA
@@ -131,28 +150,20 @@ const Tile512 TILES512[MR512 + 1] = {nullptr, tile512<1>, tile512<2>, tile512<3>
 
 void panel_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t p, bool pair, const float* bias,
                 float* y, int64_t N) {
-  const int64_t n0 = p * 16;
-  const float* pa = wp + p * K * 16;
-  const float* pb = pair ? pa + K * 16 : nullptr;
-  const int nca = static_cast<int>(std::min<int64_t>(16, N - n0));
-  const int ncb = pair ? static_cast<int>(std::min<int64_t>(16, N - n0 - 16)) : 0;
-  const float* b = bias ? bias + n0 : nullptr;
+  const PanelPair g(wp, p, pair, K, N, bias);
   for (int64_t m = 0; m < M; m += MR512) {
     const int rows = static_cast<int>(std::min<int64_t>(MR512, M - m));
-    TILES512[rows](x + m * K, K, pa, pb, b, y + m * N + n0, N, nca, ncb);
+    TILES512[rows](x + m * K, K, g.pa, g.pb, g.ba, y + m * N + g.n0, N, g.nca, g.ncb);
   }
 }
 #else
 // Rows [0, M) of x against panels p and (when `pair`) p + 1, i.e. columns n0 .. n0 + 31.
 void panel_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t p, bool pair, const float* bias,
                 float* y, int64_t N) {
-  const int64_t n0 = p * 16;
-  const float* pa = wp + p * K * 16;
-  const float* pb = pair ? pa + K * 16 : nullptr;
-  const int nca = static_cast<int>(std::min<int64_t>(16, N - n0));
-  const int ncb = pair ? static_cast<int>(std::min<int64_t>(16, N - n0 - 16)) : 0;
-  const float* ba = bias ? bias + n0 : nullptr;
-  const float* bb = bias ? bias + n0 + 16 : nullptr;
+  const PanelPair g(wp, p, pair, K, N, bias);
+  const int64_t n0 = g.n0;
+  const float *pa = g.pa, *pb = g.pb, *ba = g.ba, *bb = g.bb;
+  const int nca = g.nca, ncb = g.ncb;
   auto halves = [&](auto tile, const float* xr, float* yr) {
     tile(xr, K, pa, ba, yr + n0, N, nca);
     if (pair) tile(xr, K, pb, bb, yr + n0 + 16, N, ncb);
