@@ -302,6 +302,11 @@ class TargetWorkerConfig:
     # float32 linears of a verify / decode step from packed weights (specmesh/engine/cpu_gemm.py):
     # auto: where it builds and runs (x86-64 AVX2+FMA, float32 on the CPU); false: torch's own
     cpu_kernel: bool | str = "auto"
+    # a one-token row's attention with each kv head's query heads as rows (specmesh/engine/attention.py):
+    # auto: where a start-up probe finds it bitwise HF's SDPA call and not slower; true: where the
+    # probe finds it 1.5x faster, bitwise or not (bf16 on CPUs without AMX: ~5x; the AR then differs
+    # from HF generate in near-ties, still bitwise the target alone for speculation); false: never
+    attention_fold: bool | str = "auto"
     # a verify batch waits up to this fraction of the last verify forward for the sequences between
     # two rounds, so concurrent requests share one forward instead of trailing into the next; 0: off
     batch_gather: float = 0.3
@@ -313,6 +318,7 @@ class TargetWorkerConfig:
         self.cache.validate(f"{key}.cache")
         _check(self.batch_invariant in (True, False, "auto"), f"{key}.batch_invariant", "must be true, false or auto")
         _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")
+        _check(self.attention_fold in (True, False, "auto"), f"{key}.attention_fold", "must be true, false or auto")
         _check(self.drain_timeout_s >= 0, f"{key}.drain_timeout_s", "must be >= 0")
 
 

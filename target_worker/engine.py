@@ -31,7 +31,7 @@ from specmesh.core.rejection import verify as verify_round
 from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout, verify_tree
 from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
-from specmesh.engine import cpu_gemm, rowexact
+from specmesh.engine import attention, cpu_gemm, rowexact
 from specmesh.engine.batcher import Batcher
 from specmesh.engine.kv import StepOutput, batched_step
 from specmesh.engine.pool import SequenceKV, new_pool
@@ -82,10 +82,12 @@ def resolve_batch_invariant(model, setting: bool | str) -> bool:
 class TargetEngine:
     def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float,
                  max_queue: int = 1024, batch_invariant: bool | str = False, cpu_kernel: bool | str = "auto",
-                 batch_gather: float = 0.0):
+                 batch_gather: float = 0.0, attention_fold: bool | str = "auto"):
         # cpu_kernel: float32 linears of a step from packed weights (specmesh/engine/cpu_gemm.py)
         # where it builds and runs; batch_invariant: verify with one-token kernels and prefill
-        # unpacked, so the output is bitwise the target alone's whatever the batch (rowexact.py)
+        # unpacked, so the output is bitwise the target alone's whatever the batch (rowexact.py);
+        # attention_fold: one-token rows' attention laid out as rows where faster (attention.py)
+        attention.configure(attention_fold)
         self.cpu_kernel = bool(cpu_kernel) and cpu_gemm.install(model)
         self.batch_invariant = resolve_batch_invariant(model, batch_invariant)
         self.model = rowexact.install(model) if self.batch_invariant else model

@@ -9,7 +9,7 @@ import sys
 import threading
 
 from specmesh.config import MAX_DRAFT_TOKENS, ConfigError
-from specmesh.engine import cpu_gemm, rowexact
+from specmesh.engine import attention, cpu_gemm, rowexact
 from specmesh.engine.loader import dtype_name, load_configured_model
 from specmesh.engine.manifest import model_fingerprint
 from specmesh.errors import InvalidArgument, ModelIntegrityError, Unavailable
@@ -131,7 +131,8 @@ def main(argv=None) -> int:
     opts = service_options(cfg, "target_worker")
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
                           max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant,
-                          cpu_kernel=wcfg.cpu_kernel, batch_gather=wcfg.batch_gather)
+                          cpu_kernel=wcfg.cpu_kernel, batch_gather=wcfg.batch_gather,
+                          attention_fold=wcfg.attention_fold)
     param = next(model.parameters())
     log.info("target %s (%s) loaded: %s on %s, KV pool %d tokens (%.1f MB), CPU verify kernel %s (%.1f MB packed), "
              "batch_invariant %s -> %s%s", model_dir, model_fingerprint(model_dir) or "no manifest", dtype_name(param.dtype), param.device, engine.pool.max_tokens,
@@ -140,6 +141,8 @@ def main(argv=None) -> int:
              f" (probed: batched rows bitwise the one-row calls up to {rowexact.probed(model)})"
              if rowexact.is_installed(model) else "")
     log.info("verify cost model (rows -> seconds, measured at start): %s", engine.measure_cost())
+    log.info("one-token attention, grouped heads as rows (attention_fold %s): %s", wcfg.attention_fold,
+             attention.decisions())
     watch_target_engine(engine)
     servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
     service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,

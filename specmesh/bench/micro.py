@@ -134,7 +134,8 @@ def micro_markdown(doc: dict) -> str:
     lines = [f"## specmesh bench --micro: one verify forward (batched_step), context {doc['context']} tokens",
              "", f"`{doc['command']}`", "",
              f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')} ({m.get('torch_threads')} threads), "
-             f"{doc['model']} ({doc.get('dtype', '?')}, CPU verify kernel: {doc.get('cpu_kernel', False)}), "
+             f"{doc['model']} ({doc.get('dtype', '?')}, CPU verify kernel: {doc.get('cpu_kernel', False)}, "
+             f"one-token attention folded: {doc.get('attention_fold', {})}), "
              f"{m.get('date')}", "",
              "Median ms per forward (positions/s) — positions Q = k + 1 to verify k drafts", ""]
     for mode in modes:
@@ -169,6 +170,9 @@ def main(args) -> int:
     from specmesh.engine import cpu_gemm
 
     kernel = bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model)  # as the target worker runs it
+    from specmesh.engine import attention
+
+    attention.configure(cfg.target_worker.attention_fold)
     positions = [int(x) for x in args.micro_positions.split(",") if x]
     batches = [int(x) for x in args.micro_batch.split(",") if x]
     trees = [int(x) for x in getattr(args, "micro_trees", "16").split(",") if x]
@@ -177,7 +181,7 @@ def main(args) -> int:
         rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar,
                          trees=trees)
     doc = {"command": command_line(), "model": str(model_dir), "dtype": dtype_name(next(model.parameters()).dtype),
-           "cpu_kernel": kernel,
+           "cpu_kernel": kernel, "attention_fold": attention.decisions(),
            "device": str(next(model.parameters()).device),
            "context": args.micro_context, "results": rows, "machine": machine_info()}
     out = Path(args.out)

@@ -105,6 +105,8 @@ def main(argv=None) -> int:
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-invariant", action="store_true", help="verify row-exact (target_worker.batch_invariant)")
     p.add_argument("--no-cpu-kernel", action="store_true", help="torch's own linears (target_worker.cpu_kernel: false)")
+    p.add_argument("--attention-fold", choices=("auto", "true", "false"), default="auto",
+                   help="one-token rows' attention as grouped rows (target_worker.attention_fold)")
     p.add_argument("--vs-hf", action="store_true", help="also compare the AR with plain HF generate (same dtype)")
     p.add_argument("--dataset", default="mt-bench")
     p.add_argument("--out")
@@ -119,12 +121,16 @@ def main(argv=None) -> int:
         from specmesh.engine import rowexact
 
         rowexact.install(model)
+    from specmesh.engine import attention
+
+    attention.configure({"auto": "auto", "true": True, "false": False}[args.attention_fold])
     encoder = PromptEncoder.from_model_dir(model_dir)
     items = load_dataset(args.dataset, limit=args.limit)
     prompts = [encoder.encode(it.prompt, it.messages) for it in items]
     t0 = time.time()
     result = measure(model, prompts, args.max_tokens, args.k, args.batch_invariant, args.vs_hf)
-    result.update(dtype=args.dtype, dataset=args.dataset, cpu_kernel=kernel, seconds=round(time.time() - t0, 1))
+    result.update(dtype=args.dtype, dataset=args.dataset, cpu_kernel=kernel,
+                  attention_fold=attention.decisions(), seconds=round(time.time() - t0, 1))
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -14,7 +14,8 @@ causal LM built on the attention interface works unchanged. For layer l and sequ
    a chain with a causal mask over the new rows, a tree with its ancestor mask, a one-token step
    (or one row of a deterministic verify) with no mask at all, a prefill of an empty cache with
    is_causal. Each is HF's own SDPA call (grouped-query heads by enable_gqa, keys never
-   repeated), so a one-token step or a prefill computes what HF generate computes, bit for bit.
+   repeated), or for a one-token row a faster layout of it probed bitwise equal (attention.py),
+   so a one-token step or a prefill computes what HF generate computes, bit for bit.
 
 Nothing is committed: the caller keeps what it accepted with `SequenceKV.commit` (rejected drafts
 are dropped by bookkeeping; a tree moves its accepted path's slots down, at most k of them).
@@ -33,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from specmesh.engine import cpu_gemm, rowexact
+from specmesh.engine.attention import sdpa
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
 ATTN_NAME = "specmesh_pool"
@@ -69,14 +71,6 @@ class StepOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None  # per HF hidden-state index [Q_b, H], when asked
 
 
-def _sdpa(q, k, v, mask, causal: bool, scale):
-    """HF's own SDPA call (transformers' sdpa_attention_forward without a mask): grouped-query heads
-    by enable_gqa, so keys are read in place, never repeated. q: [1, heads, n, D]; k, v: [1,
-    kv_heads, S, D]; mask: [n, S] bool or None."""
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal, scale=scale,
-                                          enable_gqa=q.shape[1] != k.shape[1])
-
-
 def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
     """Deterministic rows: each query row alone, unmasked, over exactly the slots it sees laid out
     as a one-token step sees them: the cache, then its own path. q: [1, heads, n, D]; k, v: the
@@ -86,7 +80,7 @@ def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
     n = q.shape[2]
     if paths is None:
         for j in range(n):
-            out[j] = _sdpa(q[:, :, j : j + 1], k[:, :, : length + j + 1], v[:, :, : length + j + 1], None, False,
+            out[j] = sdpa(q[:, :, j : j + 1], k[:, :, : length + j + 1], v[:, :, : length + j + 1], None, False,
                            scale)[0, :, 0]
         return
     tree_k, tree_v = k[:, :, length:].clone(), v[:, :, length:].clone()  # [1, kv_heads, n, D]
@@ -94,7 +88,7 @@ def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
         d = len(path)
         k[:, :, length : length + d] = tree_k.index_select(2, path)
         v[:, :, length : length + d] = tree_v.index_select(2, path)
-        out[j] = _sdpa(q[:, :, j : j + 1], k[:, :, : length + d], v[:, :, : length + d], None, False, scale)[0, :, 0]
+        out[j] = sdpa(q[:, :, j : j + 1], k[:, :, : length + d], v[:, :, : length + d], None, False, scale)[0, :, 0]
     k[:, :, length:] = tree_k
     v[:, :, length:] = tree_v
 
@@ -118,7 +112,7 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
         if plan.row_exact and n > 1:
             _rows_exact(query[:, :, a : a + n], k, v, length, s.paths, scaling, out[a : a + n])
             continue
-        o = _sdpa(query[:, :, a : a + n], k, v, s.mask, s.causal, scaling)  # [1, heads, n, D]
+        o = sdpa(query[:, :, a : a + n], k, v, s.mask, s.causal, scaling)  # [1, heads, n, D]
         out[a : a + n] = o[0].transpose(0, 1)
     return out.unsqueeze(0), None
 
