@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Iterator, Protocol
 
 from specmesh.config import FEATURE_DRAFTERS
+from coordinator.drafting import Drafting, feature_nbytes
 from coordinator.predraft import Predrafter
 from coordinator.roundpolicy import RoundPolicy
 from specmesh.core.features import FeatureFeed
@@ -64,7 +65,7 @@ class Chunk:
     finish_reason: str | None = None
 
 
-class Generation:
+class Generation(Drafting):
     """Drives one request; iterate `run()` for chunks. `stats` is filled as it goes."""
 
     def __init__(self, req: GenerationRequest, target: TargetClient, drafts: DraftPool | None,
@@ -199,90 +200,6 @@ class Generation:
                           self.stats.draft_time_s - draft_s, time.monotonic() - t0)
         return outcome.tokens
 
-    def _draft(self, k: int) -> DraftProposal:
-        if k == 0 or self.method == "off":
-            return DraftProposal([], None)
-        context = self.req.prompt_ids + self.out.token_ids
-        t0 = time.monotonic()
-        if self.method in self.local:  # no hop: drafted where the context is
-            try:
-                return DraftProposal(list(self.local[self.method](context, k))[:k], None)
-            finally:
-                self.stats.draft_time_s += time.monotonic() - t0
-        self._drafted_any = True
-        try:
-            timeout = min(self.draft_timeout_s, self._remaining())
-            if self._wants_features():
-                return self._propose_with_features(context, k, timeout)
-            return self._remote_chain(context, k, timeout)
-        except DeadlineExceeded:
-            if self.req.deadline is not None and time.monotonic() >= self.req.deadline:
-                raise
-            return self._draft_failed("draft timed out")
-        except SpecmeshError as exc:
-            return self._draft_failed(str(exc))
-        finally:
-            self.stats.draft_time_s += time.monotonic() - t0
-
-    def _remote_chain(self, context: list[int], k: int, timeout: float) -> DraftProposal:
-        """k tokens from the draft tier: a pre-draft that hit, else a Propose now. With overlap the
-        drafter drafts k+1 and the last one is kept as the guess of the target's bonus token."""
-        draft = self.predraft.take(context, timeout) if self.predraft is not None else None
-        if draft is None:
-            want = k + 1 if self.predraft is not None else k
-            draft = self.drafts.propose(self.seq_id, context, want, self.method, self.req.params,
-                                        self.stats.rounds, timeout)
-        toks = list(draft.token_ids)
-        self._guess = toks[k] if self.predraft is not None and len(toks) > k else None
-        return DraftProposal(toks[:k], None if draft.probs is None else draft.probs[:k])
-
-    def _overlap(self, context: list[int], draft: DraftProposal) -> None:
-        """Before round r's Verify: start drafting round r+1 on the guess that r is accepted in full
-        (and, when round r drafted one token more, that the target's own token is that one)."""
-        guess, self._guess = self._guess, None
-        if self.predraft is None or self.method in self.local or self.method == "off" or draft.parents is not None:
-            return
-        base = context + list(draft.token_ids) + ([guess] if guess is not None else [])
-        # one token more than this round drafted (the next round's k may grow by one); the first
-        # of them is the guess of the target's own token when round r did not draft it
-        n = len(draft.token_ids) + 1 if guess is not None else len(draft.token_ids) + 2
-        self.predraft.start(base, n, self.stats.rounds + 1)
-
-    def _propose_with_features(self, context: list[int], k: int, timeout: float) -> DraftProposal:
-        """Propose with the rows the draft tier lacks; on a miss, once more with the whole window."""
-        if self.feed is None or len(self.feed.window) == 0:
-            return DraftProposal([], None)  # switched to the block drafter mid-request: features next round
-        for complete in (False, True):
-            rows, full = self.feed.outgoing(complete)
-            draft = self.drafts.propose(self.seq_id, context, k, self.method, self.req.params, self.stats.rounds,
-                                        timeout, features=(rows, full), tree_budget=self.req.tree_budget)
-            self.stats.draft_feature_bytes += _nbytes(rows)
-            if not draft.missing_features:
-                self.feed.sent()
-                if draft.parents is not None:  # a tree: depth <= k, drawn by the worker
-                    return DraftProposal(draft.token_ids, None, draft.parents)
-                return DraftProposal(draft.token_ids[:k], None if draft.probs is None else draft.probs[:k])
-            if full:
-                break
-        return self._draft_failed("the draft worker holds no target features for the sequence")
-
-    def _take_features(self, rows) -> None:
-        """rows: [n+1, F] features of the slots a verify round committed (before its tokens are emitted)."""
-        if rows is None:
-            return
-        self.feed = self.feed or FeatureFeed(self.feature_spec.max_rows or rows.shape[0])
-        committed = len(self.req.prompt_ids) + len(self.out.token_ids) - 1  # context minus the pending token
-        self.feed.extend(rows, committed + rows.shape[0])
-        self.stats.feature_bytes += _nbytes(rows)
-
-    def _draft_failed(self, why: str) -> DraftProposal:
-        # a draft failure never fails the request: this round runs with k = 0 (target alone)
-        self.stats.draft_failures += 1
-        if self.stats.draft_failures == 1:
-            log.warning("request %s: draft tier failed (%s); continuing with the target alone",
-                        self.req.request_id, why)
-        return DraftProposal([], None)
-
     # ------------------------------------------------------------------ target failover
     def _call_timeout(self) -> float:
         left = self._remaining()
@@ -307,7 +224,7 @@ class Generation:
         if out.features is not None:
             self.feed = self.feed or FeatureFeed(self.feature_spec.max_rows or out.features.shape[0])
             self.feed.reset(out.features, len(context))
-            self.stats.feature_bytes += _nbytes(out.features)
+            self.stats.feature_bytes += feature_nbytes(out.features)
         return out.token
 
     def _prefill_with_failover(self) -> int:
@@ -360,7 +277,3 @@ class Generation:
         if self.drafts is not None and self._drafted_any:  # only a draft tier that drafted holds state
             self.drafts.release(self.seq_id)
 
-
-def _nbytes(rows) -> int:
-    """Bytes of a feature tensor (what it costs on the wire: bf16 = 2 per value); 0 for None."""
-    return 0 if rows is None else rows.numel() * rows.element_size()

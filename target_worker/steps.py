@@ -1,0 +1,208 @@
+"""The target engine's model-thread work: prefill and verify forwards, and the cost model's
+start-up measurement. TargetEngine (engine.py) admits, checks and queues; its batcher runs these
+on the one model thread. No grpc here.
+
+A verify runs step by step (iteration-level scheduling): every running job's next position(s) in
+one packed forward (specmesh.engine.kv.batched_step); a round is one step, a decode burst up to
+its `steps`, and verify jobs arriving meanwhile join the next step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specmesh.core.costmodel import ROWS as COST_ROWS
+from specmesh.core.rejection import verify as verify_round
+from specmesh.core.tree import tree_layout, verify_tree
+from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
+from specmesh.engine.kv import StepOutput, batched_step
+from specmesh.engine.pool import SequenceKV
+from specmesh.errors import Unavailable
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    kv: SequenceKV
+    params: SamplingParams
+    generator: torch.Generator
+    pending: int | None = None  # last emitted token, not yet in the cache
+    last_used: float = field(default_factory=time.monotonic)
+    busy: bool = False  # a caller holds the sequence for a prefill/verify
+    inflight: bool = False  # its job is with the model thread (queued or running)
+    released: bool = False  # dropped from the table; its pool range is freed once no job is in flight
+
+
+@dataclass(frozen=True)
+class PrefillJob:
+    seq: Sequence
+    prompt: list[int]
+    features: FeatureSpec | None = None
+
+
+@dataclass(frozen=True)
+class VerifyJob:
+    seq: Sequence
+    draft: DraftProposal
+    features: FeatureSpec | None = None
+    steps: int = 1  # with no draft: one-token steps back to back (VerifyRequest.decode_steps)
+
+
+class ModelThread:
+    """The forwards of a TargetEngine, run on its model thread. Uses the engine's model,
+    batch_invariant, pool, vocab_size, cost, max_batch_size, last_batch_sizes, _last_verify_s and
+    _job_done."""
+
+    def _run_batch(self, kind: str, jobs: list, stream=None) -> list:
+        jobs = list(jobs)  # verify steps append the jobs that join mid-batch
+        try:
+            return self._run_jobs(kind, jobs, stream)
+        finally:
+            for i, job in enumerate(jobs):
+                if stream is None or not stream.delivered(i):
+                    self._job_done(job.seq)
+
+    def _run_jobs(self, kind: str, jobs: list, stream=None) -> list:
+        if kind == "prefill":
+            self.last_batch_sizes = (self.last_batch_sizes + [len(jobs)])[-256:]
+            return self._run_prefill(jobs, _hidden(jobs))
+        return self._run_verify(jobs, stream)
+
+    def measure_cost(self, context: int = 64, repeats: int = 2) -> dict:
+        """Seed the cost model: time a forward of each bucket's row count (one sequence of
+        `context` tokens, the rows as one chain) on the model thread's kernels; returns the table."""
+        kv = self.pool.allocate(context + max(COST_ROWS) + 1)
+        ids = [i % self.vocab_size for i in range(1, context + max(COST_ROWS) + 1)]  # any valid tokens
+        measured = {}
+        try:
+            batched_step(self.model, [kv], [ids[:context]], logits_rows=[[context - 1]])
+            kv.commit(context)
+            for rows in COST_ROWS:
+                times = []
+                for _ in range(repeats + 1):  # the first is a warm-up
+                    t0 = time.perf_counter()
+                    batched_step(self.model, [kv], [ids[:rows]], row_exact=self.batch_invariant)
+                    times.append(time.perf_counter() - t0)
+                measured[rows] = min(times[1:])
+        finally:
+            kv.release()
+        self.cost.seed(measured)
+        return self.cost.as_dict()
+
+
+    def _run_prefill(self, jobs: list[PrefillJob], hidden: tuple[int, ...] = ()) -> list[PrefillOutcome]:
+        last = [[len(j.prompt) - 1] for j in jobs]  # logits of the last prompt position only
+        if self.batch_invariant:  # each prompt alone: unpacked, the target-alone prefill exactly
+            outs = [batched_step(self.model, [j.seq.kv], [j.prompt], hidden_layers=hidden, logits_rows=[r])[0]
+                    for j, r in zip(jobs, last)]
+        else:
+            outs = batched_step(self.model, [j.seq.kv for j in jobs], [j.prompt for j in jobs], hidden_layers=hidden,
+                                logits_rows=last)
+        firsts = []
+        for job, out in zip(jobs, outs):
+            seq = job.seq
+            seq.kv.commit(len(job.prompt))
+            first = verify_round(out.logits, DraftProposal([]), seq.params, seq.generator).tokens[0]
+            seq.pending, seq.busy, seq.last_used = first, False, time.monotonic()
+            rows = None
+            if job.features is not None:  # the last max_rows prompt positions
+                n = len(job.prompt)
+                rows = torch.arange(n - min(n, job.features.max_rows or n), n)
+            firsts.append(PrefillOutcome(first, _features(out, hidden, job.features, rows)))
+        return firsts
+
+    def _run_verify(self, jobs: list[VerifyJob], stream=None) -> list[VerifyOutcome]:
+        """Step by step: every running job's next position(s) in one forward. A job is answered as
+        soon as its own steps are done (a round: one step; a decode burst: up to its steps), and
+        verify jobs that arrive meanwhile join the next step, so a burst neither holds a round
+        back nor is cut short by one. A prefill waiting ends the bursts (their callers ask again).
+        jobs grows by the joiners; the result list matches it."""
+        results: list[VerifyOutcome | None] = [None] * len(jobs)
+        taken = [0] * len(jobs)
+        running = list(range(len(jobs)))
+        while running:
+            self.last_batch_sizes = (self.last_batch_sizes + [len(running)])[-256:]  # sequences per forward
+            outs = self._verify_step([jobs[i] for i in running], _hidden([jobs[i] for i in running]))
+            for i, out in zip(running, outs):
+                results[i], taken[i] = _joined(results[i], out), taken[i] + 1
+            if stream is None:  # not streaming: the first step's answer for every job
+                break
+            for i in running:
+                if taken[i] >= jobs[i].steps or not self._room_for_one(jobs[i].seq):
+                    self._job_done(jobs[i].seq)
+                    stream.deliver(i, results[i])
+            if stream.others_waiting():
+                break
+            left = [i for i in running if not stream.delivered(i)]
+            joined = stream.take_more(self.max_batch_size - len(left))  # they run at least one step
+            jobs.extend(joined)
+            results += [None] * len(joined)
+            taken += [0] * len(joined)
+            running = left + list(range(len(jobs) - len(joined), len(jobs)))
+        return results
+
+    @staticmethod
+    def _room_for_one(seq: Sequence) -> bool:
+        try:
+            seq.kv.ensure(seq.kv.length + 1)
+            return True
+        except Unavailable:  # the pool is full: the burst ends early, the caller asks again
+            return False
+
+    def _verify_step(self, jobs: list[VerifyJob], hidden: tuple[int, ...] = ()) -> list[VerifyOutcome]:
+        inputs = [[j.seq.pending] + list(j.draft.token_ids) for j in jobs]
+        layouts = [tree_layout(j.draft.parents) if j.draft.parents is not None else (None, None) for j in jobs]
+        t0 = time.perf_counter()
+        outs = batched_step(self.model, [j.seq.kv for j in jobs], inputs, new_masks=[m for m, _ in layouts],
+                            depths=[d for _, d in layouts], hidden_layers=hidden, row_exact=self.batch_invariant)
+        self._last_verify_s = time.perf_counter() - t0
+        self.cost.observe(sum(map(len, inputs)), self._last_verify_s, batch=len(jobs))
+        results = []
+        for job, out in zip(jobs, outs):
+            seq, draft = job.seq, job.draft
+            if draft.parents is None:
+                outcome = verify_round(out.logits, draft, seq.params, seq.generator)
+                keep = torch.arange(outcome.accepted + 1)  # [pending, d_1..d_n]
+            else:
+                outcome, path = verify_tree(out.logits, draft.token_ids, draft.parents, seq.params, seq.generator)
+                keep = torch.tensor(path)  # the accepted root path, root (pending) first
+            if draft.parents is None:
+                seq.kv.commit(len(keep))  # [pending, d_1..d_n] are in place; rejected slots are dropped
+            else:
+                seq.kv.commit(0, keep=keep)  # the accepted root path moved down (at most k slots)
+            seq.pending = outcome.tokens[-1]
+            feats = _features(out, hidden, job.features, keep)
+            results.append(outcome if feats is None else dataclasses.replace(outcome, features=feats))
+        return results
+
+
+def _hidden(jobs: list) -> tuple[int, ...]:
+    """HF hidden_states indices of every decoder layer the jobs ask features of (layer l -> l + 1)."""
+    return tuple(sorted({layer + 1 for j in jobs if j.features for layer in j.features.layers}))
+
+
+def _joined(first: VerifyOutcome | None, more: VerifyOutcome) -> VerifyOutcome:
+    """A burst's outcome so far followed by its next step's."""
+    if first is None:
+        return more
+    feats = None if more.features is None else torch.cat([first.features, more.features])
+    return dataclasses.replace(first, tokens=first.tokens + more.tokens, features=feats)
+
+
+def _features(out: StepOutput, hidden: tuple[int, ...], spec: FeatureSpec | None,
+              rows: torch.Tensor | None) -> torch.Tensor | None:
+    """The block drafter's features of the committed slots: [len(rows), len(layers) * H] bf16.
+
+    out.hidden_states[i]: [Q, H], HF hidden-state index hidden[i] (decoder layer hidden[i] - 1's
+    output; after the final norm for the last layer). rows: [r] slot indices into Q.
+    feature(slot) = concat_l h_{l+1}(slot) over spec.layers, in that order.
+    """
+    if spec is None:
+        return None
+    picked = [out.hidden_states[hidden.index(layer + 1)].index_select(0, rows) for layer in spec.layers]
+    return torch.cat(picked, dim=-1).to(torch.bfloat16)
+
