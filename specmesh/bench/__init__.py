@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 
 def _prices(text: str) -> dict[str, float]:
@@ -81,9 +82,28 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return p
 
 
+REPORT_HEADER = "## specmesh bench"  # the first line of every markdown report a bench writes
+
+
+def foreign_report(args: argparse.Namespace) -> Path | None:
+    """The markdown a run would write beside --out (NAME.md; --context writes none), when that
+    file exists and is not a bench report: a run must not replace a hand-written page."""
+    if args.context:
+        return None
+    md = Path(args.out).with_suffix(".md")
+    if not md.is_file():
+        return None
+    with md.open(errors="replace") as f:
+        return None if f.readline().startswith(REPORT_HEADER) else md
+
+
 def run(args: argparse.Namespace) -> int:
     if getattr(args, "price", None) and (args.micro or args.context):
         print("specmesh bench: --price prices a serving run; not with --micro or --context", file=sys.stderr)
+        return 2
+    if (md := foreign_report(args)) is not None:
+        print(f"specmesh bench: {md} exists and is not a bench report (its first line is not "
+              f"'{REPORT_HEADER}'); the run would replace it: choose another --out", file=sys.stderr)
         return 2
     if args.micro:
         from specmesh.bench.micro import main as micro_main

@@ -162,3 +162,18 @@ def test_unpriced_runs_have_no_cost(tmp_path):
         del r["cost"]
     written = {p.name for p in report.write_all(doc, tmp_path / "b.json", plots=True)}
     assert "b_cost.png" not in written and "Cost per million" not in (tmp_path / "b.md").read_text()
+
+
+def test_a_run_refuses_to_replace_a_hand_written_page_beside_its_out(tmp_path, capsys):
+    page = tmp_path / "notes.md"
+    page.write_text("# My notes on this machine\n")
+    assert run(bench_args("--micro", "--out", str(tmp_path / "notes.json"))) == 2
+    assert "notes.md exists and is not a bench report" in capsys.readouterr().err
+    assert page.read_text() == "# My notes on this machine\n"
+    from specmesh.bench import foreign_report
+
+    page.write_text("## specmesh bench --micro: one verify forward (batched_step), context 256 tokens\n")
+    assert foreign_report(bench_args("--micro", "--out", str(tmp_path / "notes.json"))) is None  # its own report
+    assert foreign_report(bench_args("--out", str(tmp_path / "fresh.json"))) is None
+    page.write_text("# My notes\n")
+    assert foreign_report(bench_args("--context", "--out", str(tmp_path / "notes.json"))) is None  # writes no .md
