@@ -118,7 +118,11 @@ def fold_ok(device, dtype, heads: int, kv_heads: int, d: int, scale) -> bool:
     """Whether one-token rows of this shape take the folded call (decided once, then cached)."""
     if heads == kv_heads or heads % kv_heads:
         return False
-    key = (torch.device(device).type, dtype, heads, kv_heads, d, scale)
+    key = (device.type if isinstance(device, torch.device) else torch.device(device).type, dtype, heads, kv_heads,
+           d, scale)
+    decided = _FOLD.get(key)  # every one-token row of every layer asks: decided ones skip the lock
+    if decided is not None:
+        return decided
     with _LOCK:
         if key not in _FOLD:
             setting = _SETTING["fold"]

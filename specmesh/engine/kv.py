@@ -14,8 +14,9 @@ causal LM built on the attention interface works unchanged. For layer l and sequ
    a chain with a causal mask over the new rows, a tree with its ancestor mask, a one-token step
    (or one row of a deterministic verify) with no mask at all, a prefill of an empty cache with
    is_causal. Each is HF's own SDPA call (grouped-query heads by enable_gqa, keys never
-   repeated), or for a one-token row a faster layout of it probed bitwise equal (attention.py),
-   so a one-token step or a prefill computes what HF generate computes, bit for bit.
+   repeated), so a one-token step or a prefill computes what HF generate computes, bit for bit.
+   A one-token row may take a faster layout of that call (attention.py): by default only where
+   a start-up probe finds it bitwise equal; with attention_fold true also where it is not.
 
 Nothing is committed: the caller keeps what it accepted with `SequenceKV.commit` (rejected drafts
 are dropped by bookkeeping; a tree moves its accepted path's slots down, at most k of them).
