@@ -19,9 +19,11 @@ log = logging.getLogger(__name__)
 
 class Drafting:
     """Uses the Generation's req, method, local, drafts, predraft, feed, feature_spec, seq_id,
-    out, stats, draft_timeout_s, _guess, _drafted_any, _remaining and _wants_features."""
+    out, stats, rounds, draft_timeout_s, _guess, _drafted_any, _remaining and _wants_features;
+    sets _predrafted (this round's draft was a pre-draft that hit)."""
 
     def _draft(self, k: int) -> DraftProposal:
+        self._predrafted = False
         if k == 0 or self.method == "off":
             return DraftProposal([], None)
         context = self.req.prompt_ids + self.out.token_ids
@@ -50,6 +52,7 @@ class Drafting:
         """k tokens from the draft tier: a pre-draft that hit, else a Propose now. With overlap the
         drafter drafts k+1 and the last one is kept as the guess of the target's bonus token."""
         draft = self.predraft.take(context, timeout) if self.predraft is not None else None
+        self._predrafted = draft is not None
         if draft is None:
             want = k + 1 if self.predraft is not None else k
             draft = self.drafts.propose(self.seq_id, context, want, self.method, self.req.params,
@@ -65,9 +68,11 @@ class Drafting:
         if self.predraft is None or self.method in self.local or self.method == "off" or draft.parents is not None:
             return
         base = context + list(draft.token_ids) + ([guess] if guess is not None else [])
-        # one token more than this round drafted (the next round's k may grow by one); the first
-        # of them is the guess of the target's own token when round r did not draft it
+        # one token more than this round drafted (the next round's k may grow by one), or as many
+        # as the draft model drafts during this verify if more; the first of them is the guess of
+        # the target's own token when round r did not draft it
         n = len(draft.token_ids) + 1 if guess is not None else len(draft.token_ids) + 2
+        n = max(n, self.rounds.predraft_tokens(self.method, len(draft.token_ids) + 1) or 0)
         self.predraft.start(base, n, self.stats.rounds + 1)
 
     def _propose_with_features(self, context: list[int], k: int, timeout: float) -> DraftProposal:

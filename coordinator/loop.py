@@ -86,7 +86,9 @@ class Generation(Drafting):
                                                          self.draft_timeout_s, calls=calls), overlap)
         # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model (a tree: its
         # node budget or none)
-        self.rounds = RoundPolicy(req.k_max, rate_book, control, tree_budget=req.tree_budget)
+        self.rounds = RoundPolicy(req.k_max, rate_book, control, tree_budget=req.tree_budget,
+                                  overlap=self.predraft is not None)
+        self._predrafted = False  # this round's draft was a pre-draft that hit
         # feature_spec: what to ask the target for when the drafter reads target features (block);
         # None: such drafters get no features (they report misses and rounds run without drafts)
         self.feature_spec = feature_spec
@@ -143,10 +145,12 @@ class Generation(Drafting):
     def _k_this_round(self) -> int:
         # a round emits up to k+1 tokens: never draft past max_tokens
         self.method, self.k = self._settings()
-        ready = 0
+        ready, coming = 0, False
         if self.predraft is not None and self.method not in self.local:
-            ready = self.predraft.ready(self.req.prompt_ids + self.out.token_ids)
-        k = self.rounds.k(self.method, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready)
+            context = self.req.prompt_ids + self.out.token_ids
+            ready, coming = self.predraft.ready(context), self.predraft.in_flight(context)
+        k = self.rounds.k(self.method, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready,
+                          coming=coming)
         self.stats.chosen_k[k] = self.stats.chosen_k.get(k, 0) + 1
         self._chose_zero = k == 0
         return k
@@ -188,13 +192,16 @@ class Generation(Drafting):
         finally:
             self.stats.verify_time_s += time.monotonic() - t0
         self.rounds.take_cost(outcome.cost)
-        self.rounds.learn(self.method, draft, outcome.accepted, self.stats.draft_time_s - draft_s)
+        self.rounds.learn(self.method, draft, outcome.accepted,
+                          None if self._predrafted else self.stats.draft_time_s - draft_s)
         depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
         if draft.token_ids:
             self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens), positions=depth)
         else:  # an AR round, maybe a burst: one target step per token
             for _ in outcome.tokens:
                 self.stats.record(0, 0, 1)
+        if self.predraft is not None:
+            self._predraft_stats()
         if self.observer is not None:
             self.observer(self.method, len(draft.token_ids), outcome.accepted, len(outcome.tokens),
                           self.stats.draft_time_s - draft_s, time.monotonic() - t0)
@@ -259,6 +266,11 @@ class Generation(Drafting):
                     raise Unavailable(f"target workers failed {self.reroutes} time(s); last: {again}") from again
                 exc = again
 
+    def _predraft_stats(self) -> None:
+        # every round, not only at release: a stream's last chunk carries the stats before then
+        p = self.predraft
+        self.stats.predraft_hits, self.stats.predraft_misses, self.stats.draft_wait_s = p.hits, p.misses, p.wait_s
+
     def _release_target(self, target) -> None:
         try:
             target.release(self.seq_id)
@@ -268,8 +280,7 @@ class Generation(Drafting):
     def _release(self) -> None:
         if self.predraft is not None:
             self.predraft.drop()
-            self.stats.predraft_hits, self.stats.predraft_misses = self.predraft.hits, self.predraft.misses
-            self.stats.draft_wait_s = self.predraft.wait_s
+            self._predraft_stats()
         try:
             self.target.release(self.seq_id)
         except SpecmeshError as exc:

@@ -33,12 +33,18 @@ class Predrafter:
         self._propose = propose
         self._executor = executor
         self._pending: tuple[list[int], Future, list] | None = None  # (base G, future of t_1..t_n, calls)
-        self.hits = self.misses = 0
+        self.hits = self.misses = 0  # pre-drafts used / dropped unused (a request's last is neither)
         self.wait_s = 0.0  # time rounds spent waiting for a pre-draft that was a hit
 
     def start(self, base: list[int], n: int, round_: int) -> None:
-        """Draft n tokens after `base` for round `round_` (replaces any pre-draft still pending)."""
-        self.drop()
+        """Draft n tokens after `base` for round `round_`. Replaces any pre-draft still pending,
+        except one in flight from this very base (a round without a draft that did not wait for
+        it): it is already drafting what this one would."""
+        if self._pending is not None and self._pending[0] == list(base) and not self._pending[1].done():
+            return
+        if self._pending is not None:  # never taken: a round without a draft moved past it
+            self._miss(self._pending)
+            self._pending = None
         base, calls = list(base), []
         # in the request's context (trace parent, request id, canary arm), like its other calls
         run = contextvars.copy_context().run
@@ -52,6 +58,13 @@ class Predrafter:
         base, future, _ = self._pending
         m = _past(base, context, future.result().token_ids)
         return 0 if m is None else len(future.result().token_ids) - m
+
+    def in_flight(self, context: list[int]) -> bool:
+        """A pre-draft still drafting from a base `context` extends: it may yet hit."""
+        if self._pending is None or self._pending[1].done():
+            return False
+        base = self._pending[0]
+        return len(context) >= len(base) and context[: len(base)] == base
 
     def take(self, context: list[int], timeout: float) -> DraftProposal | None:
         """The pre-draft's tokens past `context` (waiting for it if still in flight), or None on a

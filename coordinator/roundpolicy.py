@@ -7,26 +7,30 @@ from __future__ import annotations
 
 from specmesh.config import AUTOREGRESSIVE_DRAFTERS
 from specmesh.core.costmodel import VerifyCost
-from specmesh.core.goodput import KPolicy, RateBook, TreePolicy
+from specmesh.core.goodput import KPolicy, RateBook, TreePolicy, skip_beats_drafting
 from specmesh.core.types import DraftProposal
 
 
 class RoundPolicy:
-    def __init__(self, k_max: int, rate_book: RateBook | None = None, control=None, tree_budget: int = 0):
-        self.k_max = k_max  # > 0: goodput (chains: k in 0..k_max; trees: the budget or none); 0: fixed
+    def __init__(self, k_max: int, rate_book: RateBook | None = None, control=None, tree_budget: int = 0,
+                 overlap: bool = False):
+        self.k_max = k_max
+        self.overlap = overlap  # each round pre-drafts the next (coordinator/predraft.py)  # > 0: goodput (chains: k in 0..k_max; trees: the budget or none); 0: fixed
         self.tree_budget = tree_budget  # > 0: the request drafts trees of this many nodes
         self.rate_book = rate_book or RateBook()
         self.control = control  # the admin hot switch: a k override fixes k
         self.policies: dict[str, KPolicy | TreePolicy] = {}
         self.cost: VerifyCost | None = None
-        # EMA of seconds a round waits for its draft, by drafter: per drafted token for drafters that
-        # draft one token per forward (AUTOREGRESSIVE_DRAFTERS), per round for the others
+        # EMA of seconds a round waits for a draft drafted on demand (not a pre-draft), by drafter:
+        # per drafted token for drafters that draft one token per forward (AUTOREGRESSIVE_DRAFTERS),
+        # per round for the others
         self.draft_s: dict[str, float] = {}
 
-    def k(self, method: str, fixed_k: int, limit: int, ready: int = 0) -> int:
+    def k(self, method: str, fixed_k: int, limit: int, ready: int = 0, coming: bool = False) -> int:
         """This round's k for `method` (fixed_k when goodput does not apply), at most `limit`.
         For a tree: fixed_k (its depth cap) when the tree runs this round, 0 when it does not.
-        ready: draft tokens already drafted for this round (a pre-draft hit): they cost no wait."""
+        ready: draft tokens already drafted for this round (a pre-draft hit): they cost no wait.
+        coming: a pre-draft that may still hit is in flight (a round that drafts waits for it)."""
         policy = self._policy(method)
         if policy is None:
             return max(0, min(fixed_k, limit))
@@ -44,7 +48,23 @@ class RoundPolicy:
 
         if isinstance(policy, TreePolicy):
             return max(0, min(fixed_k, limit)) if policy.choose(seconds, others) else 0
-        return policy.choose(seconds, limit=limit, others=others)
+        k = policy.choose(seconds, limit=limit, others=others)
+        if self.overlap and per_token and ready == 0 and not coming and draft_s > 0:
+            fit = self.predraft_tokens(method, 1)  # what the draft tier drafts during a plain step
+            if fit and skip_beats_drafting(policy.rates, lambda q: self.cost.estimate(others + q), k, draft_s,
+                                           fit - 1, others):
+                return 0  # no wait now: this round's pre-draft makes the next one free
+        return k
+
+    def predraft_tokens(self, method: str, q: int) -> int | None:
+        """Tokens a draft model drafts while the target verifies q positions (a pre-draft's length,
+        its first being the guess of the target's own token): T(q) / draft seconds per token, 2 to
+        k_max + 1; None where not known yet (no cost model or no draft measured)."""
+        draft_s = self.draft_s.get(method, 0.0)
+        if method not in AUTOREGRESSIVE_DRAFTERS or draft_s <= 0 or self.cost is None or not self.cost.table:
+            return None
+        others = max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
+        return max(2, min(self.k_max + 1, round(self.cost.estimate(others + q) / draft_s)))
 
     def _policy(self, method: str) -> KPolicy | TreePolicy | None:
         """None: k is fixed (goodput off, the hot switch overrides k, or no cost model yet)."""
@@ -61,16 +81,18 @@ class RoundPolicy:
         if cost is not None:
             self.cost = VerifyCost.from_dict(cost)
 
-    def learn(self, method: str, draft: DraftProposal, accepted: int, draft_s: float = 0.0) -> None:
+    def learn(self, method: str, draft: DraftProposal, accepted: int, draft_s: float | None = 0.0) -> None:
         """Fold a round's outcome into the request's and the book's acceptance: a chain's per
         position, a tree's tokens per round (accepted + the target's own); and draft_s, the time
-        the round waited for its draft (a remote drafter's Propose; ~0 for local n-gram)."""
+        the round waited for a draft drafted on demand (a remote drafter's Propose; ~0 for local
+        n-gram; None: the draft was a pre-draft, whose wait says nothing of drafting's cost)."""
         if not draft.token_ids or method == "off":
             return
-        if method in AUTOREGRESSIVE_DRAFTERS:
-            draft_s /= len(draft.token_ids)
-        old = self.draft_s.get(method)
-        self.draft_s[method] = draft_s if old is None else old + 0.2 * (draft_s - old)
+        if draft_s is not None:
+            if method in AUTOREGRESSIVE_DRAFTERS:
+                draft_s /= len(draft.token_ids)
+            old = self.draft_s.get(method)
+            self.draft_s[method] = draft_s if old is None else old + 0.2 * (draft_s - old)
         policy = self.policies.get(method)
         if draft.parents is not None:
             if isinstance(policy, TreePolicy):

@@ -1,11 +1,8 @@
 """Pluggable drafters. Each turns (context, k, sampling) into a DraftProposal. No grpc here.
 
 - NgramDrafter: prompt lookup (specmesh.core.ngram); drafts are a point mass (no probs).
-- ModelDrafter: any HF causal LM with the target's tokenizer, drafting k tokens
-  autoregressively. It keeps a per-sequence KV cache keyed by seq_id (LRU) and reuses the longest
-  prefix it shares with the context it is sent, so it is stateless to the caller: any worker can
-  serve any round, a miss just recomputes. Concurrent proposals are batched into one forward
-  per drafting step.
+- ModelDrafter (draft_worker/model_drafter.py): any HF causal LM with the target's tokenizer,
+  drafting k tokens autoregressively, concurrent proposals batched per drafting step.
 - BlockDrafter: the trained block drafter (specmesh.drafters.block), conditioned on the target's
   features of the last context_window committed positions; one forward drafts up to
   block_size - 1 tokens (a chain), or their per-position top-k grown into a draft tree.
@@ -22,12 +19,10 @@ import torch
 from draft_worker.sequence_lru import SequenceLru
 from specmesh.core.features import FeatureWindow
 from specmesh.core.ngram import propose_ngram
-from specmesh.core.sampling import make_generator, sample, truncate, warp_logits
+from specmesh.core.sampling import make_generator, sample, warp_logits
 from specmesh.core.tree import build_tree
 from specmesh.core.types import DraftProposal, SamplingParams
 from specmesh.engine.batcher import Batcher
-from specmesh.engine.kv import batched_step
-from specmesh.engine.pool import SequenceKV, new_sequence_kv
 from specmesh.errors import InvalidArgument
 
 
@@ -89,86 +84,11 @@ class _BatchedDrafter:
         self.batcher.close()
 
 
-@dataclass
-class _Cached:
-    kv: SequenceKV
-    tokens: list[int]  # the tokens whose KV the cache holds, in order
-
-
 def _draft_seed(seed: int, round_: int) -> int:
     """The draft's sampling stream for one round: a function of the request's seed and the round
     only (not the per-request sequence id), so a repeated seeded request drafts the same tokens."""
     digest = hashlib.sha256(f"{seed}:{round_}".encode()).digest()
     return int.from_bytes(digest[:8], "little")
-
-
-class ModelDrafter(_BatchedDrafter):
-    name = "draft_model"
-
-    def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024,
-                 proposal_top_k: int = 0, cache_max_tokens: int = 0):
-        self.model = model
-        text = model.config.get_text_config()
-        self.vocab_size = text.vocab_size
-        self.context_window = getattr(text, "max_position_embeddings", None)  # Propose refuses longer contexts
-        # T > 0: sample each draft from its distribution kept on the proposal_top_k likeliest tokens
-        # (0: the whole vocabulary); that truncated row is the proposal sent, sparse on the wire
-        self.proposal_top_k = proposal_top_k
-        # seq_id -> _Cached; cache_max_tokens: KV slots held in all (0: only the sequence count bounds it)
-        self._cache = SequenceLru(cache_max_sequences, cache_max_tokens, size=lambda e: e.kv.capacity)
-        self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="draft-batcher")
-
-    def propose(self, job: ProposeJob, timeout: float | None = None) -> DraftProposal:
-        if job.k == 0:
-            return DraftProposal([], None)
-        return _wait(self.batcher.submit("propose", job), timeout)
-
-    # ------------------------------------------------------------------ model thread
-    def _take_cache(self, job: ProposeJob) -> tuple[_Cached, list[int]]:
-        """The sequence's cache cut to the longest prefix shared with the context, and the
-        context tokens still to forward (at least one, so its logits exist)."""
-        entry = self._cache.take(job.seq_id)
-        if entry is None:
-            entry = _Cached(new_sequence_kv(self.model, capacity=len(job.context) + 64), [])  # a private pool
-        shared = 0
-        limit = min(len(entry.tokens), len(job.context) - 1)
-        while shared < limit and entry.tokens[shared] == job.context[shared]:
-            shared += 1
-        entry.kv.truncate(shared)
-        entry.tokens = entry.tokens[:shared]
-        return entry, job.context[shared:]
-
-    def _run_batch(self, kind: str, jobs: list[ProposeJob]) -> list[DraftProposal]:
-        entries, pending = zip(*(self._take_cache(j) for j in jobs))
-        gens = [make_generator(_draft_seed(j.params.seed, j.round)) if j.params.seed is not None
-                else None for j in jobs]
-        drafts: list[list[int]] = [[] for _ in jobs]
-        probs: list[list[torch.Tensor]] = [[] for _ in jobs]
-        inputs = list(pending)
-        active = list(range(len(jobs)))
-        while active:
-            outs = batched_step(self.model, [entries[b].kv for b in active], [inputs[b] for b in active],
-                                logits_rows=[[len(inputs[b]) - 1] for b in active])
-            for b, out in zip(active, outs):
-                entries[b].kv.commit(len(inputs[b]))
-                entries[b].tokens += inputs[b]
-                q = warp_logits(out.logits, jobs[b].params)  # [1, V] draft distribution
-                if not jobs[b].params.greedy:
-                    q = truncate(q, self.proposal_top_k)  # exactly what the token is drawn from
-                token = int(sample(q, gens[b])[0]) if not jobs[b].params.greedy else int(q[0].argmax())
-                drafts[b].append(token)
-                probs[b].append(q[0])
-                inputs[b] = [token]
-            # a cancelled call (a pre-draft the coordinator found stale) stops here: its cache
-            # keeps what was forwarded, and the draft tier is free for the round that replaces it
-            active = [b for b in active if len(drafts[b]) < jobs[b].k and jobs[b].alive()]
-        results = []
-        for b, job in enumerate(jobs):
-            self._cache.put(job.seq_id, entries[b])
-            # greedy drafts are a point mass: no distribution to send
-            p = None if job.params.greedy else torch.stack(probs[b])  # [k, V]
-            results.append(DraftProposal(drafts[b], p))
-        return results
 
 
 class BlockDrafter(_BatchedDrafter):

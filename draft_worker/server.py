@@ -8,7 +8,8 @@ import sys
 import threading
 
 from draft_worker.block_loader import load_block_model
-from draft_worker.drafters import BlockDrafter, ModelDrafter, NgramDrafter, ProposeJob
+from draft_worker.drafters import BlockDrafter, NgramDrafter, ProposeJob
+from draft_worker.model_drafter import ModelDrafter
 from specmesh.config import ConfigError, MeshConfig
 from specmesh.engine import cpu_gemm
 from specmesh.engine.loader import load_configured_model

@@ -188,7 +188,8 @@ def start_services(target_model, prompt_encoder, overrides: dict | None = None,
     from coordinator.clients import GrpcDraftPool, TargetPool
     from coordinator.server import CoordinatorServicer
     from draft_worker.block_loader import load_block_model
-    from draft_worker.drafters import BlockDrafter, ModelDrafter, NgramDrafter
+    from draft_worker.drafters import BlockDrafter, NgramDrafter
+    from draft_worker.model_drafter import ModelDrafter
     from draft_worker.server import DraftWorkerServicer
     from gateway.server import GatewayServicer
     from specmesh.config import load_config

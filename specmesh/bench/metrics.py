@@ -185,6 +185,19 @@ def time_fractions(records: list[RequestRecord]) -> dict | None:
             "draft_share_of_draft_plus_verify": draft / (draft + verify) if draft + verify else None}
 
 
+def predrafts(records: list[RequestRecord]) -> dict | None:
+    """Drafting overlapped with verification: pre-drafts that hit / were dropped, and the seconds
+    a round spent waiting for a hit still in flight, per round; None where nothing pre-drafted."""
+    spec = [r.spec for r in records if r.spec]
+    hits = sum(int(s.get("predraft_hits", 0)) for s in spec)
+    misses = sum(int(s.get("predraft_misses", 0)) for s in spec)
+    if not hits + misses:
+        return None
+    rounds = sum(int(s.get("rounds", 0)) for s in spec)
+    return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses),
+            "wait_s_per_round": sum(float(s.get("draft_wait_s", 0.0)) for s in spec) / max(1, rounds)}
+
+
 def aggregate(records: list[RequestRecord], wall_s: float) -> dict:
     """The metrics of one run: throughput over wall_s, latency percentiles (ms), acceptance."""
     ok = [r for r in records if r.ok]
@@ -208,6 +221,7 @@ def aggregate(records: list[RequestRecord], wall_s: float) -> dict:
         "acceptance_per_position": acceptance_per_position(ok),
         "acceptance_by_category": acceptance_by_category(ok) if spec_like else {},
         "time_fraction": time_fractions(ok),
+        "predraft": predrafts(ok),
         "draft_failures": sum(int(r.spec.get("draft_failures", 0)) for r in ok if r.spec),
     }
 

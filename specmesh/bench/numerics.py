@@ -98,6 +98,7 @@ def main(argv=None) -> int:
     from specmesh.tokenization import PromptEncoder
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="a model name from specmesh/manifests (default: the default target)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--limit", type=int, default=20)
     p.add_argument("--max-tokens", type=int, default=64)
@@ -112,7 +113,7 @@ def main(argv=None) -> int:
     p.add_argument("--out")
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
-    model_dir = fetch_model(progress=False)
+    model_dir = fetch_model(args.model, progress=False) if args.model else fetch_model(progress=False)
     model = load_model(model_dir, args.dtype)
     from specmesh.engine import cpu_gemm
 
@@ -129,7 +130,7 @@ def main(argv=None) -> int:
     prompts = [encoder.encode(it.prompt, it.messages) for it in items]
     t0 = time.time()
     result = measure(model, prompts, args.max_tokens, args.k, args.batch_invariant, args.vs_hf)
-    result.update(dtype=args.dtype, dataset=args.dataset, cpu_kernel=kernel,
+    result.update(model=model_dir.name, dtype=args.dtype, dataset=args.dataset, cpu_kernel=kernel,
                   attention_fold=attention.decisions(), seconds=round(time.time() - t0, 1))
     text = json.dumps(result, indent=2)
     if args.out:

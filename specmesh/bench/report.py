@@ -115,8 +115,11 @@ def acceptance_section(doc: dict) -> list[str]:
         if ks:
             zero = ks.get("0", 0) / max(1, sum(ks.values()))
             chosen = "; chosen k {" + " ".join(f"{k}:{v}" for k, v in ks.items()) + f"}} (k = 0 in {zero:.0%} of rounds)"
+        pre = r.get("predraft")
+        pre = (f"; pre-drafts {pre['hits']} hit / {pre['misses']} dropped ({pre['hit_rate']:.0%}), "
+               f"{pre['wait_s_per_round'] * 1e3:.0f} ms waited for a hit per round" if pre else "")
         lines.append(f"- {_label(r)} @ {_level(r)}: per-position acceptance [{pos}]; "
-                     f"acceptance-length histogram {{{hist}}}{chosen}{frac}")
+                     f"acceptance-length histogram {{{hist}}}{chosen}{frac}{pre}")
     return (["", "### Acceptance"] + lines) if lines else []
 
 

@@ -183,3 +183,41 @@ class RateBook:
     def snapshot(self) -> dict[str, list[float]]:
         with self._lock:
             return {m: list(r) for m, r in self._rates.items()}
+
+
+def skip_beats_drafting(rates: list[float], cost: Callable[[int], float], k: int, draft_s: float,
+                        ready_after_hit: int, others: float = 0.0) -> bool:
+    """Drafting overlapped with verification (coordinator/predraft.py), a draft model that drafts
+    one token per forward, and no pre-draft ready (the last round missed): True when a round
+    without a draft beats drafting k tokens now and waiting k * draft_s for them.
+
+    Each round pre-drafts the next one during its verify; the pre-draft hits when every draft was
+    accepted and the target's own token is the drafter's next (rate a_1), and then the next round
+    has `ready_after_hit` tokens (R) at no wait. The per-round rule (best_k) sees only this round,
+    so it prices a round without a draft at one token and misses that its pre-draft makes the next
+    round free: with a draft that costs half a target step per token, it always drafts now. Here
+    both choices are priced to the next miss (a renewal cycle), with c = p_R * a_1 the chance that
+    a ready round is followed by another and p_i = prod_{j<=i} a_j:
+
+        ready rounds:  W_tok = (others + E(R)) / (1 - c),   W_s = T(R + 1) / (1 - c)
+        no draft:      (others + 1 + a_1 W_tok)       / (T(1) + a_1 W_s)
+        draft k now:   (others + E(k) + p_k a_1 W_tok) / (T(k + 1) + k draft_s + p_k a_1 W_s)
+
+    cost(q): seconds of the forward verifying q positions beside the others' rows."""
+    if k <= 0 or ready_after_hit <= 0 or not rates:
+        return False
+    g = rates[0]
+
+    def p(i: int) -> float:
+        out = 1.0
+        for a in rates[:i]:
+            out *= a
+        return out
+
+    cont = min(p(ready_after_hit) * g, 0.99)
+    w_tok = (others + expected_tokens(rates, ready_after_hit)) / (1 - cont)
+    w_s = cost(ready_after_hit + 1) / (1 - cont)
+    skip = (others + 1 + g * w_tok) / (cost(1) + g * w_s)
+    hit = p(k) * g
+    now = (others + expected_tokens(rates, k) + hit * w_tok) / (cost(k + 1) + k * draft_s + hit * w_s)
+    return skip > now

@@ -66,7 +66,9 @@ def _preset_on_free_ports(e2e, tmp: Path) -> Path:
     data["gateway"] = {"listen": gw, "coordinator": co}
     data["coordinator"] = {**data.get("coordinator", {}), "listen": co, "draft_workers": [dw], "target_workers": [tw]}
     data["draft_worker"]["listen"] = dw
-    data["target_worker"] = {**data["target_worker"], "listen": tw}
+    # deterministic verification: T=0 output is then the target alone's bit for bit on any CPU and
+    # dtype (the default, auto, is not deterministic where batched bf16 GEMMs are not row-invariant)
+    data["target_worker"] = {**data["target_worker"], "listen": tw, "batch_invariant": True}
     path = tmp / "pair.yaml"
     path.write_text(yaml.safe_dump(data))
     return path

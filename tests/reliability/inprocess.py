@@ -91,7 +91,8 @@ def _servicers(mesh: InProcessMesh, target_model, encoder) -> dict:
     from coordinator.clients import GrpcDraftPool, TargetPool
     from coordinator.server import CoordinatorServicer
     from draft_worker.block_loader import load_block_model
-    from draft_worker.drafters import BlockDrafter, ModelDrafter, NgramDrafter
+    from draft_worker.drafters import BlockDrafter, NgramDrafter
+    from draft_worker.model_drafter import ModelDrafter
     from draft_worker.server import DraftWorkerServicer
     from gateway.admin import GatewayAdminServicer
     from gateway.server import GatewayServicer

@@ -8,7 +8,7 @@ import grpc
 import pytest
 import torch
 
-import draft_worker.drafters as drafters_module
+import draft_worker.model_drafter as drafters_module
 from specmesh.rpc.convert import proposal_from_pb
 from specmesh.v1 import specmesh_pb2 as pb
 

@@ -86,6 +86,14 @@ def test_aggregate_counts_errors_and_throughput():
     assert agg["time_fraction"]["drafting"] == pytest.approx(0.1)
     assert agg["time_fraction"]["verifying"] == pytest.approx(0.5)
     assert agg["mean_acceptance_length"] == pytest.approx(2.0)
+    assert agg["predraft"] is None  # nothing pre-drafted
+
+
+def test_predraft_hit_rate_and_wait_per_round():
+    a = rec([0.1], [1], 1.0, spec={"rounds": 6, "predraft_hits": 3, "predraft_misses": 1, "draft_wait_s": 0.3})
+    b = rec([0.1], [1], 1.0, spec={"rounds": 4, "predraft_hits": 1, "predraft_misses": 3, "draft_wait_s": 0.1})
+    assert metrics.predrafts([a, b]) == {"hits": 4, "misses": 4, "hit_rate": 0.5,
+                                         "wait_s_per_round": pytest.approx(0.04)}
 
 
 def test_speedup_and_break_even():

@@ -249,3 +249,46 @@ def test_a_bucket_no_batch_reaches_follows_the_machine_once_not_once_per_observe
         c.observe(rows, start[rows] * 1.5 * rng.uniform(0.8, 1.2))
     assert c.estimate(65) == pytest.approx(0.300, rel=0.1)
     assert c.estimate(33) == pytest.approx(0.204, rel=0.1)
+
+
+# the Qwen2.5-Coder pair in bf16 on the Zen 4 EPYC (docs/pair.md): per-position acceptance of the
+# 0.5B's drafts, a verify of up to 9 positions ~ a one-token step (0.385 s), 0.14 s per draft token
+PAIR_RATES = [0.74, 0.64, 0.61, 0.67, 0.72, 0.57, 0.43, 0.31]
+
+
+def flat(q: int) -> float:
+    return 0.385 if q <= 9 else 0.385 * q / 9
+
+
+def test_after_a_miss_a_slow_draft_model_skips_a_round_instead_of_waiting_for_its_draft():
+    """Worked by hand: R = 2 ready after a hit, c = 0.74 * 0.64 * 0.74 = 0.35; no draft: 3.52
+    tokens per 0.82 s = 4.3/s; drafting k = 2 now: 3.39 per 0.88 s = 3.9/s."""
+    from specmesh.core.goodput import skip_beats_drafting
+
+    assert skip_beats_drafting(PAIR_RATES, flat, k=2, draft_s=0.14, ready_after_hit=2)
+    # a draft ten times cheaper is worth its wait
+    assert not skip_beats_drafting(PAIR_RATES, flat, k=2, draft_s=0.014, ready_after_hit=2)
+    # and without a pre-draft to hand over (nothing ready after a hit), there is nothing to skip for
+    assert not skip_beats_drafting(PAIR_RATES, flat, k=2, draft_s=0.14, ready_after_hit=0)
+    assert not skip_beats_drafting(PAIR_RATES, flat, k=0, draft_s=0.14, ready_after_hit=2)
+
+
+def test_with_overlap_a_round_after_a_miss_skips_and_a_ready_predraft_still_drafts():
+    from coordinator.roundpolicy import RoundPolicy
+    from specmesh.core.types import DraftProposal
+
+    table = {"rows": [1, 2, 3, 5, 9, 17], "seconds": [0.385, 0.385, 0.385, 0.385, 0.385, 0.48],
+             "mean_batch": 1.0, "live": 1}
+    picks = {}
+    for overlap in (False, True):
+        rp = RoundPolicy(k_max=8, rate_book=RateBook(), overlap=overlap)
+        rp.take_cost(table)
+        for _ in range(10):  # drafted on demand: 0.14 s per token
+            rp.learn("draft_model", DraftProposal([1, 2, 3]), accepted=2, draft_s=3 * 0.14)
+        rp.learn("draft_model", DraftProposal([1, 2, 3]), accepted=3, draft_s=None)  # a pre-draft: no wait
+        assert rp.draft_s["draft_model"] == pytest.approx(0.14)
+        assert rp.predraft_tokens("draft_model", 1) == 3  # 0.385 s of verify: 2.75 tokens drafted
+        picks[overlap] = (rp.k("draft_model", 8, limit=50), rp.k("draft_model", 8, limit=50, ready=4))
+    assert picks[False][0] > 0  # one round at a time, drafting now pays
+    assert picks[True][0] == 0  # with pre-drafts, skipping to the next round's free draft pays more
+    assert picks[True][1] > 0  # a ready pre-draft is drafted on

@@ -103,9 +103,14 @@ def test_overlap_drafts_the_next_round_during_the_verify_and_stays_lossless():
         perfect = SlowDrafts()
         gen = Generation(request(max_tokens=40, k=3), FakeTarget(verify_sleep=0.02), perfect, FakeTokenizer(),
                          {99}, 5.0, overlap=pool)
-        out = [t for chunk in gen.run() for t in chunk.token_ids]
+        out, hits_at_last_chunk = [], None
+        for chunk in gen.run():
+            out += chunk.token_ids
+            if chunk.finish_reason:  # a stream sends its stats with this chunk, before the release
+                hits_at_last_chunk = gen.stats.predraft_hits
         assert out == SCRIPT[:40]
         assert gen.stats.predraft_hits >= gen.stats.rounds - 2 and gen.stats.predraft_misses == 0
+        assert hits_at_last_chunk >= gen.stats.predraft_hits - 1
         assert perfect.calls[0]["k"] == 4 and max(c["k"] for c in perfect.calls) == 4  # k + 1: the bonus guess
         assert gen.stats.draft_wait_s < 0.02 * gen.stats.rounds  # drafts arrive while the target works
 
@@ -140,6 +145,34 @@ def test_a_predraft_hits_when_the_context_extends_its_base_by_its_own_tokens():
             p.start([1, 2], 4, 3)
             assert p.take(ctx, timeout=5) is None, ctx
         assert (p.hits, p.misses) == (2, 4)
+
+
+def test_a_round_without_a_draft_keeps_a_predraft_in_flight_from_its_own_context():
+    """A round that did not wait for a pre-draft still drafting from exactly its context (it may
+    hit) pre-drafts from that same base: the one in flight is kept, not cancelled and redrafted."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from coordinator.predraft import Predrafter
+    from specmesh.core.types import DraftProposal
+
+    release, calls = threading.Event(), []
+
+    def propose(ctx, n, round_, rpcs):
+        calls.append(list(ctx))
+        release.wait(5)
+        return DraftProposal([100 + len(ctx) + i for i in range(n)], None)
+
+    with ThreadPoolExecutor(2) as pool:
+        p = Predrafter(propose, pool)
+        p.start([1, 2], 3, 1)
+        assert p.in_flight([1, 2]) and p.in_flight([1, 2, 102]) and not p.in_flight([1, 3])
+        assert p.ready([1, 2]) == 0  # still drafting
+        p.start([1, 2], 3, 2)  # a k = 0 round at context [1, 2]: the same base
+        release.set()
+        assert p.take([1, 2, 102], timeout=5).token_ids == [103, 104]
+        assert calls == [[1, 2]] and (p.hits, p.misses) == (1, 0)
+        assert not p.in_flight([1, 2, 102])  # nothing pending after a take
 
 
 def test_rounds_without_drafts_predraft_and_a_draft_made_during_the_verify_is_used():
