@@ -63,8 +63,7 @@ class Predrafter:
         """A pre-draft still drafting from a base `context` extends: it may yet hit."""
         if self._pending is None or self._pending[1].done():
             return False
-        base = self._pending[0]
-        return len(context) >= len(base) and context[: len(base)] == base
+        return _extends(context, self._pending[0])
 
     def take(self, context: list[int], timeout: float) -> DraftProposal | None:
         """The pre-draft's tokens past `context` (waiting for it if still in flight), or None on a
@@ -74,7 +73,7 @@ class Predrafter:
             return None
         pending, self._pending = self._pending, None
         base, future, _ = pending
-        if len(context) < len(base) or context[: len(base)] != base:
+        if not _extends(context, base):
             return self._miss(pending)  # not worth waiting for: no tokens can make it a hit
         t0 = time.monotonic()
         try:
@@ -103,9 +102,14 @@ def _past(base: list[int], context: list[int], tokens) -> int | None:
     """m when `context` is `base` + the first m of `tokens` and some tokens are left after them
     (a hit: tokens[m:] is the next round's draft); None otherwise (a miss)."""
     m = len(context) - len(base)
-    if m < 0 or len(tokens) <= m or context[: len(base)] != base or list(tokens[:m]) != context[len(base):]:
+    if len(tokens) <= m or not _extends(context, base) or list(tokens[:m]) != context[len(base):]:
         return None
     return m
+
+
+def _extends(context: list[int], base: list[int]) -> bool:
+    """context is base followed by zero or more tokens."""
+    return len(context) >= len(base) and context[: len(base)] == base
 
 
 def _cancel(pending: tuple) -> None:

@@ -14,8 +14,8 @@ from specmesh.core.types import DraftProposal
 class RoundPolicy:
     def __init__(self, k_max: int, rate_book: RateBook | None = None, control=None, tree_budget: int = 0,
                  overlap: bool = False):
-        self.k_max = k_max
-        self.overlap = overlap  # each round pre-drafts the next (coordinator/predraft.py)  # > 0: goodput (chains: k in 0..k_max; trees: the budget or none); 0: fixed
+        self.k_max = k_max  # > 0: goodput (chains: k in 0..k_max; trees: the budget or none); 0: fixed
+        self.overlap = overlap  # each round pre-drafts the next (coordinator/predraft.py)
         self.tree_budget = tree_budget  # > 0: the request drafts trees of this many nodes
         self.rate_book = rate_book or RateBook()
         self.control = control  # the admin hot switch: a k override fixes k
@@ -38,7 +38,7 @@ class RoundPolicy:
         # Speculation itself pulls sequences out of step (each waits for its own draft), which
         # shrinks the mean batch, which made drafting look cheap: a self-fulfilling loss (the pair
         # at concurrency 4, docs/pair.md). The live count is the batch a plain step would share.
-        others = max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
+        others = self._others()
         draft_s = self.draft_s.get(method, 0.0)  # a drafting round also waits for its draft
         per_token = method in AUTOREGRESSIVE_DRAFTERS
 
@@ -63,8 +63,10 @@ class RoundPolicy:
         draft_s = self.draft_s.get(method, 0.0)
         if method not in AUTOREGRESSIVE_DRAFTERS or draft_s <= 0 or self.cost is None or not self.cost.table:
             return None
-        others = max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
-        return max(2, min(self.k_max + 1, round(self.cost.estimate(others + q) / draft_s)))
+        return max(2, min(self.k_max + 1, round(self.cost.estimate(self._others() + q) / draft_s)))
+
+    def _others(self) -> float:
+        return max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
 
     def _policy(self, method: str) -> KPolicy | TreePolicy | None:
         """None: k is fixed (goodput off, the hot switch overrides k, or no cost model yet)."""
