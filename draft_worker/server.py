@@ -11,7 +11,7 @@ from draft_worker.block_loader import load_block_model
 from draft_worker.drafters import BlockDrafter, NgramDrafter, ProposeJob
 from draft_worker.model_drafter import ModelDrafter
 from specmesh.config import ConfigError, MeshConfig
-from specmesh.engine import cpu_gemm
+from specmesh.engine import cpu_gemm, quant
 from specmesh.engine.loader import load_configured_model
 from specmesh.errors import InvalidArgument, ModelIntegrityError
 from specmesh.config import MAX_SEQ_ID_CHARS, MAX_TREE_BUDGET
@@ -110,6 +110,10 @@ def build_drafters(cfg: MeshConfig) -> dict:
                                              cfg.model.device)
         if dm.cpu_kernel and cpu_gemm.install(model):  # draft steps of 1 to k+1 rows from packed weights
             log.info("draft_model: CPU kernel on (%.0f MB packed)", cpu_gemm.packed_bytes(model) / 1e6)
+        if dm.weights == "int8":
+            added = quant.quantize(model)  # 0: the int8 kernel is unusable on this device/dtype
+            log.info("draft_model: %s", f"int8 weights for drafting steps ({added / 1e6:.0f} MB)" if added else
+                     f"int8 kernel unusable here; drafting in {model.dtype}")
         bp = cfg.backpressure.draft_worker
         drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences,
                                                proposal_top_k=dm.proposal_top_k,

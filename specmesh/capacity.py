@@ -103,6 +103,7 @@ class Plan:
     context: int
     k: int
     dtype: str
+    draft_weights: str = "model"  # int8: the draft worker also holds an int8 copy (engine/quant.py)
 
     @property
     def bpe(self) -> int:
@@ -119,10 +120,11 @@ class Plan:
         target = {"weights": t.params * b,
                   "kv_cache": t.kv_bytes_per_token(b) * self.pool_tokens,  # the pool, allocated at start
                   "verify_logits_fp32": (k + 1) * t.vocab * 4 * n}
-        draft = {"weights": 0, "kv_cache": 0, "propose_kv": 0, "propose_logits_fp32": 0}
+        draft = {"weights": 0, "int8_copy": 0, "kv_cache": 0, "propose_kv": 0, "propose_logits_fp32": 0}
         if self.draft is not None:
             d = self.draft
-            draft = {"weights": d.params * b, "kv_cache": d.kv_bytes_per_token(b) * T * n,
+            draft = {"weights": d.params * b, "int8_copy": d.params if self.draft_weights == "int8" else 0,
+                     "kv_cache": d.kv_bytes_per_token(b) * T * n,
                      "propose_kv": d.kv_bytes_per_token(b) * k * n, "propose_logits_fp32": k * d.vocab * 4 * n}
         return {"target_worker": dict(target, total=sum(target.values())),
                 "draft_worker": dict(draft, total=sum(draft.values()))}
@@ -162,6 +164,8 @@ class Plan:
                 f"draft worker (draft model {d.name}: {d.params / 1e6:.1f}M params, {d.layers} layers, "
                 f"{d.kv_heads} KV heads x head_dim {d.head_dim})",
                 _row("weights", f"{d.params:,} params x {b} B", dw["weights"]),
+                *([_row("int8 copy", f"{d.params:,} params x 1 B (draft_model.weights: int8)", dw["int8_copy"])]
+                  if dw["int8_copy"] else []),
                 _row("KV cache", f"2 x {d.layers} x {d.kv_heads} x {d.head_dim} x {T} tokens x {n} seqs x {b} B",
                      dw["kv_cache"]),
                 _row("propose", f"k = {k} positions: KV + fp32 probs x {n} seqs",
@@ -192,4 +196,5 @@ def plan_from_args(args) -> Plan:
     if args.concurrency < 1 or args.context < 1 or args.k < 0:
         raise ValueError("--concurrency and --context must be >= 1, --k >= 0")
     draft = model_shape(args.draft_model) if args.draft_model else None
-    return Plan(model_shape(args.model), draft, args.concurrency, args.context, args.k, args.dtype)
+    return Plan(model_shape(args.model), draft, args.concurrency, args.context, args.k, args.dtype,
+                getattr(args, "draft_weights", "model"))

@@ -229,9 +229,11 @@ class DraftModelConfig:
     dtype: str = "auto"
     cpu_kernel: bool | str = "auto"  # float32 draft steps from packed weights (as target_worker.cpu_kernel)
     proposal_top_k: int = 64  # T > 0: drafts sampled from (and sent as) their 64 likeliest tokens; 0: dense
+    weights: str = "model"  # int8: drafting steps read int8 copies of the linears (specmesh/engine/quant.py)
 
     def validate(self, key: str) -> None:
         _check(self.dtype in DTYPES, f"{key}.dtype", "|".join(DTYPES))
+        _check(self.weights in ("model", "int8"), f"{key}.weights", "model|int8")
         _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")
         _check(self.proposal_top_k >= 0, f"{key}.proposal_top_k", "must be >= 0 (0: the whole vocabulary)")
 

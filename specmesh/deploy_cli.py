@@ -100,6 +100,8 @@ def add_commands(sub) -> None:
     p.add_argument("--context", type=int, required=True, help="tokens per sequence (prompt + output)")
     p.add_argument("--k", type=int, default=4, help="speculative tokens per round")
     p.add_argument("--draft-model", help="draft model dir/config/name (default: none, n-gram drafting)")
+    p.add_argument("--draft-weights", default="model", choices=("model", "int8"),
+                   help="draft_worker.draft_model.weights: int8 adds an int8 copy of the draft's weights")
     p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"))
     p.add_argument("--json", action="store_true")
     p.set_defaults(fn=_cmd_plan)

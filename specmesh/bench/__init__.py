@@ -75,6 +75,9 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--micro-trees", default="16", help="--micro: draft-tree node budgets (each + the pending token)")
     p.add_argument("--micro-batch", default="1,16", help="--micro: sequences per forward")
     p.add_argument("--micro-repeats", type=int, default=5)
+    p.add_argument("--micro-draft", action="store_true",
+                   help="--micro: time the draft model as the draft worker runs it (draft_worker.draft_model: "
+                        "dtype, weights), default mode only")
     p.add_argument("--context", action="store_true",
                    help="decode cost vs context length, a long neighbour, target RSS (bench/context.py)")
     p.add_argument("--context-repeats", type=int, default=3, help="--context: requests per alone measurement")

@@ -8,7 +8,8 @@ positions/s = B*Q / time: where positions/s stops growing with Q is where a larg
 being free, and the B columns show how that moves under load. Each cell is timed in both verify
 modes of the target worker: `batched` (one GEMM over all B*Q rows) and `batch_invariant` (every
 row with one-token kernels, target_worker.batch_invariant; specmesh/engine/rowexact.py), whose
-ratio is the price of bitwise-stable output.
+ratio is the price of bitwise-stable output. With --micro-draft it times the draft model instead,
+as the draft worker runs it (its dtype, CPU kernel and `weights`), in the default mode only.
 """
 
 from __future__ import annotations
@@ -134,7 +135,8 @@ def micro_markdown(doc: dict) -> str:
     lines = [f"## specmesh bench --micro: one verify forward (batched_step), context {doc['context']} tokens",
              "", f"`{doc['command']}`", "",
              f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')} ({m.get('torch_threads')} threads), "
-             f"{doc['model']} ({doc.get('dtype', '?')}, CPU verify kernel: {doc.get('cpu_kernel', False)}, "
+             f"{doc['model']} ({'draft model, ' if doc.get('draft') else ''}{doc.get('dtype', '?')}"
+             f"{', int8 weights' if doc.get('weights') == 'int8' else ''}, CPU verify kernel: {doc.get('cpu_kernel', False)}, "
              f"one-token attention folded: {doc.get('attention_fold', {})}), "
              f"{m.get('date')}", "",
              "Median ms per forward (positions/s) — positions Q = k + 1 to verify k drafts", ""]
@@ -150,6 +152,25 @@ def micro_markdown(doc: dict) -> str:
     return "\n".join(lines)
 
 
+def _load(cfg, draft: bool) -> tuple:
+    """(dir, model, setup) as the target worker runs it, or with draft as the draft worker runs
+    its draft model (draft_worker.draft_model: the target's own when none is named)."""
+    from specmesh.engine import attention, cpu_gemm, quant
+    from specmesh.engine.loader import load_configured_model
+
+    if not draft:
+        model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
+                                                 cfg.model.require_manifest, cfg.model.device)
+        attention.configure(cfg.target_worker.attention_fold)
+        return model_dir, model, {"cpu_kernel": bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model)}
+    dm = cfg.draft_worker.draft_model
+    name, path = (dm.name, dm.path) if dm.name or dm.path else (cfg.model.name, cfg.model.path)
+    model_dir, model = load_configured_model(name, path, dm.dtype, cfg.model.require_manifest, cfg.model.device)
+    kernel = bool(dm.cpu_kernel) and cpu_gemm.install(model)
+    int8 = dm.weights == "int8" and quant.quantize(model) > 0
+    return model_dir, model, {"draft": True, "cpu_kernel": kernel, "weights": "int8" if int8 else "model"}
+
+
 def main(args) -> int:
     import json
     import sys
@@ -159,29 +180,24 @@ def main(args) -> int:
 
     from specmesh.bench.compare import command_line, machine_info
     from specmesh.config import load_config
-    from specmesh.engine.loader import dtype_name, load_configured_model
+    from specmesh.engine import attention
+    from specmesh.engine.loader import dtype_name
 
     cfg = load_config(args.config)
     threads = args.threads or cfg.runtime.torch_threads
     if threads:
         torch.set_num_threads(threads)
-    model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
-                                             cfg.model.require_manifest, cfg.model.device)
-    from specmesh.engine import cpu_gemm
-
-    kernel = bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model)  # as the target worker runs it
-    from specmesh.engine import attention
-
-    attention.configure(cfg.target_worker.attention_fold)
+    model_dir, model, setup = _load(cfg, getattr(args, "micro_draft", False))
     positions = [int(x) for x in args.micro_positions.split(",") if x]
     batches = [int(x) for x in args.micro_batch.split(",") if x]
     trees = [int(x) for x in getattr(args, "micro_trees", "16").split(",") if x]
-    total = (len(positions) + len(trees)) * len(batches) * len(MODES)
-    with tqdm(total=total, file=sys.stderr, disable=args.no_progress) as bar:
+    modes = ("batched",) if setup.get("draft") else MODES  # a draft model has no deterministic mode
+    with tqdm(total=(len(positions) + len(trees)) * len(batches) * len(modes), file=sys.stderr,
+              disable=args.no_progress) as bar:
         rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar,
-                         trees=trees)
+                         trees=trees, modes=modes)
     doc = {"command": command_line(), "model": str(model_dir), "dtype": dtype_name(next(model.parameters()).dtype),
-           "cpu_kernel": kernel, "attention_fold": attention.decisions(),
+           **setup, "attention_fold": attention.decisions(),
            "device": str(next(model.parameters()).device),
            "context": args.micro_context, "results": rows, "machine": machine_info()}
     out = Path(args.out)

@@ -102,6 +102,11 @@ def load():
     return _EXT
 
 
+def in_step() -> bool:
+    """Whether an engine step is running (kv.batched_step), not HF's own forward."""
+    return _ACTIVE.get()
+
+
 @contextlib.contextmanager
 def active(on: bool = True):
     """Inside an engine step: packed linears may run the kernel."""

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, rowexact
+from specmesh.engine import cpu_gemm, quant, rowexact
 from specmesh.engine.attention import sdpa
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
@@ -165,13 +165,15 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool) -> tuple[_Plan, list[
 
 
 def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool) -> torch.Tensor:
-    """hidden: [r, H] -> logits [r, V] float32, the head in the model's dtype (the packed CPU
-    kernel where installed). Row-exact: in chunks of the head's probed invariant row count
-    (one-row calls where it is 0)."""
+    """hidden: [r, H] -> logits [r, V] float32, the head in the model's dtype (a draft's int8 copy
+    where quantized, the packed CPU kernel where installed). Row-exact: in chunks of the head's
+    probed invariant row count (one-row calls where it is 0)."""
     head = model.get_output_embeddings()
-    out = cpu_gemm.packed(head, hidden, exact=row_exact)
+    out = None if row_exact else quant.apply(head, hidden)  # a draft model's int8 head
+    if out is None:
+        out = cpu_gemm.packed(head, hidden, exact=row_exact)
     if out is not None:
-        return out
+        return out.float()
     w = head.weight  # [V, H]
     if not row_exact or hidden.shape[0] <= rowexact.head_rows(model):
         return F.linear(hidden, w).float()

@@ -38,7 +38,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm
+from specmesh.engine import cpu_gemm, quant
 from specmesh.engine.loader import dtype_name
 
 _ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_row_exact", default=False)
@@ -139,8 +139,11 @@ def route(model: torch.nn.Module) -> None:
 def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """x: [..., in] -> [..., out]. Inside a step: the packed CPU kernel where installed (row-
     invariant at any row count); else, deterministic steps in chunks of the probed invariant row
-    count (bitwise the one-row calls), one row per call where the probe found none."""
-    out = cpu_gemm.packed(self, x, exact=_ACTIVE.get())
+    count (bitwise the one-row calls), one row per call where the probe found none. A draft
+    model's int8 copy (quant.py) where it has one, in default-mode steps."""
+    out = None if _ACTIVE.get() else quant.apply(self, x)
+    if out is None:
+        out = cpu_gemm.packed(self, x, exact=_ACTIVE.get())
     if out is not None:
         return out
     if not _ACTIVE.get() or x.dim() < 2:

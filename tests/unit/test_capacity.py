@@ -59,3 +59,13 @@ def test_plan_cli_prints_formula_and_json(model_dir, capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["kv_bytes_per_token"] == 2 * 32 * 8 * 128 * 2
     assert main(["plan", "--model", str(model_dir / "nope"), "--concurrency", "1", "--context", "1"]) == 2
+
+
+def test_int8_draft_weights_add_a_one_byte_copy(model_dir, capsys):
+    shape = model_shape(str(model_dir))
+    d = Plan(shape, shape, concurrency=2, context=100, k=3, dtype="bfloat16", draft_weights="int8").tiers()["draft_worker"]
+    assert d["int8_copy"] == shape.params and d["weights"] == 2 * shape.params
+    assert d["total"] == sum(v for k, v in d.items() if k != "total")
+    args = ["plan", "--model", str(model_dir), "--concurrency", "2", "--context", "100", "--draft-model", str(model_dir)]
+    assert main(args) == 0 and "int8 copy" not in capsys.readouterr().out
+    assert main([*args, "--draft-weights", "int8"]) == 0 and "int8 copy" in capsys.readouterr().out
