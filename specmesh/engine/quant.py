@@ -10,11 +10,12 @@ scale per output row (symmetric, absmax / 127) read half the bytes of bf16 for t
 Each quantized linear keeps its model-dtype weight beside the int8 copy (the draft costs 1.5x its
 weight bytes): steps of at most `ROWS` rows (drafting: one row per running proposal) take torch's
 int8 kernel (`aten._weight_int8pack_mm`), longer ones (a prefill) the model's own GEMM, which is
-faster there. Only engine steps read them (rowexact.linear_forward, the engine's routing of every
-decoder linear, and kv.lm_head ask `apply`); HF's own forward on the same model keeps the model's
-weights. The embedding lookup reads one row per token and is left alone. `quantize` probes the kernel per distinct shape on the
-model's device and dtype and leaves a linear as it was where the kernel is missing or wrong, so
-a device without it drafts in the model's dtype, and says so.
+faster there. Only engine steps read the copies: rowexact.linear_forward (the engine's routing of
+every decoder linear) and kv.lm_head ask `apply`; HF's own forward on the same model keeps the
+model's weights. The embedding lookup reads one row per token and is left alone. `quantize`
+probes the kernel per distinct shape on the model's device and dtype and leaves a linear as it
+was where the kernel is missing or wrong, so a device without it drafts in the model's dtype (the
+draft worker logs which).
 """
 
 from __future__ import annotations
@@ -23,7 +24,8 @@ import torch
 
 from specmesh.engine import cpu_gemm
 
-ROWS = 8  # at most this many rows read the int8 weights (measured crossover on Zen 4: ~8-16)
+ROWS = 8  # at most this many rows read the int8 weights (the mesh runs used 8; the micro on Zen 4
+# found 5-8 row steps slower than bf16, so 4 may suit it better: docs/pair.md)
 _TOL = 0.05  # probe: the kernel within 5% of the dequantised product's scale
 
 
