@@ -41,5 +41,8 @@ def test_local_ngram_with_goodput_k_needs_no_draft_tier_and_is_the_target_alone(
         assert sum(out.spec.chosen_k.values()) == out.spec.rounds  # k chosen every round
     assert sum(o.spec.drafted_tokens for o in outs) > 0  # drafted in the coordinator, no Propose hop
     assert sum(o.spec.accepted_tokens for o in outs) > 0
-    copies = outs[0].spec  # the repeating prompt: several tokens per round on average
-    assert copies.mean_acceptance_length > 1.2
+    # the repeating prompt: its drafts come from its own context and are mostly accepted. How many
+    # rounds draft at all is the goodput rule's call from costs measured under the suite's load
+    # (k = 0 in 29 of 34 rounds once in CI), so tokens per round is a benchmark figure, not asserted
+    copies = outs[0].spec
+    assert copies.drafted_tokens > 0 and copies.accepted_tokens >= 0.5 * copies.drafted_tokens
