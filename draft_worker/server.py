@@ -11,8 +11,8 @@ from draft_worker.block_loader import load_block_model
 from draft_worker.drafters import BlockDrafter, NgramDrafter, ProposeJob
 from draft_worker.model_drafter import ModelDrafter
 from specmesh.config import ConfigError, MeshConfig
-from specmesh.engine import cpu_gemm, quant
-from specmesh.engine.loader import load_configured_model
+from specmesh.engine import cpu_gemm, quant  # quant.quantize: cached, its bytes for the log
+from specmesh.engine.loader import load_draft_model
 from specmesh.errors import InvalidArgument, ModelIntegrityError
 from specmesh.config import MAX_SEQ_ID_CHARS, MAX_TREE_BUDGET
 from specmesh.rpc.convert import checked_sampling_from_pb, features_from_pb, probs_to_wire
@@ -102,18 +102,12 @@ def build_drafters(cfg: MeshConfig) -> dict:
         drafters["ngram"] = NgramDrafter(wcfg.ngram.min_n, wcfg.ngram.max_n)
     if "draft_model" in wcfg.methods:
         dm = wcfg.draft_model
-        if dm.name or dm.path:
-            _, model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest,
-                                             cfg.model.device)
-        else:  # no draft model configured: the target model drafts for itself
-            _, model = load_configured_model(cfg.model.name, cfg.model.path, dm.dtype, cfg.model.require_manifest,
-                                             cfg.model.device)
-        if dm.cpu_kernel and cpu_gemm.install(model):  # draft steps of 1 to k+1 rows from packed weights
+        _, model, setup = load_draft_model(cfg)
+        if setup["cpu_kernel"]:
             log.info("draft_model: CPU kernel on (%.0f MB packed)", cpu_gemm.packed_bytes(model) / 1e6)
         if dm.weights == "int8":
-            added = quant.quantize(model)  # 0: the int8 kernel is unusable on this device/dtype
-            log.info("draft_model: %s", f"int8 weights for drafting steps ({added / 1e6:.0f} MB)" if added else
-                     f"int8 kernel unusable here; drafting in {model.dtype}")
+            log.info("draft_model: %s", f"int8 weights for drafting steps ({quant.quantize(model) / 1e6:.0f} MB)"
+                     if setup["weights"] == "int8" else f"int8 kernel unusable here; drafting in {model.dtype}")
         bp = cfg.backpressure.draft_worker
         drafters["draft_model"] = ModelDrafter(model, wcfg.max_batch_size, wcfg.cache_max_sequences,
                                                proposal_top_k=dm.proposal_top_k,

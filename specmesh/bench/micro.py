@@ -155,20 +155,16 @@ def micro_markdown(doc: dict) -> str:
 def _load(cfg, draft: bool) -> tuple:
     """(dir, model, setup) as the target worker runs it, or with draft as the draft worker runs
     its draft model (draft_worker.draft_model: the target's own when none is named)."""
-    from specmesh.engine import attention, cpu_gemm, quant
-    from specmesh.engine.loader import load_configured_model
+    from specmesh.engine import attention, cpu_gemm
+    from specmesh.engine.loader import load_configured_model, load_draft_model
 
     if not draft:
         model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
                                                  cfg.model.require_manifest, cfg.model.device)
         attention.configure(cfg.target_worker.attention_fold)
         return model_dir, model, {"cpu_kernel": bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model)}
-    dm = cfg.draft_worker.draft_model
-    name, path = (dm.name, dm.path) if dm.name or dm.path else (cfg.model.name, cfg.model.path)
-    model_dir, model = load_configured_model(name, path, dm.dtype, cfg.model.require_manifest, cfg.model.device)
-    kernel = bool(dm.cpu_kernel) and cpu_gemm.install(model)
-    int8 = dm.weights == "int8" and quant.quantize(model) > 0
-    return model_dir, model, {"draft": True, "cpu_kernel": kernel, "weights": "int8" if int8 else "model"}
+    model_dir, model, setup = load_draft_model(cfg)
+    return model_dir, model, {"draft": True, **setup}
 
 
 def main(args) -> int:

@@ -174,3 +174,17 @@ def load_configured_model(name: str | None, path: str | None, dtype: str, requir
     model_dir = resolve_model_dir(name, path)
     check_model_dir(model_dir, require_manifest=require_manifest and path is None)
     return model_dir, load_model(model_dir, dtype, device)
+
+
+def load_draft_model(cfg):
+    """The draft worker's draft model as it runs it: draft_worker.draft_model (the target's own
+    when none is named) in its dtype, with its CPU kernel and int8 copies where configured and
+    usable. Returns (dir, model, {"cpu_kernel": bool, "weights": "int8" | "model"})."""
+    from specmesh.engine import cpu_gemm, quant
+
+    dm = cfg.draft_worker.draft_model
+    name, path = (dm.name, dm.path) if dm.name or dm.path else (cfg.model.name, cfg.model.path)
+    model_dir, model = load_configured_model(name, path, dm.dtype, cfg.model.require_manifest, cfg.model.device)
+    kernel = bool(dm.cpu_kernel) and cpu_gemm.install(model)  # draft steps of 1 to k+1 rows from packed weights
+    int8 = dm.weights == "int8" and quant.quantize(model) > 0  # False: the int8 kernel is unusable here
+    return model_dir, model, {"cpu_kernel": kernel, "weights": "int8" if int8 else "model"}
