@@ -33,7 +33,7 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).parent / "csrc" / "packed_gemm.cpp"
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_gemm.cpp", "row_attention.cpp")]
 MAX_ROWS = 64  # default mode: more rows than this (a long prefill) go to the BLAS
 _EXT = None
 _TRIED = False
@@ -91,9 +91,10 @@ def load():
     from torch.utils.cpp_extension import load as load_ext
 
     flags = build_flags()
-    digest = hashlib.sha256(SOURCE.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(flags).encode()).hexdigest()[:12]
     try:
-        _EXT = load_ext(f"specmesh_packed_gemm_{digest}", [str(SOURCE)], extra_cflags=flags, verbose=False)
+        _EXT = load_ext(f"specmesh_packed_gemm_{digest}", [str(p) for p in SOURCES], extra_cflags=flags,
+                        verbose=False)
     except Exception as exc:  # noqa: BLE001 - any build failure: torch's linears serve instead
         log.warning("CPU verify kernel failed to build, torch's linears serve: %s", str(exc).splitlines()[-1:])
         _EXT = None

@@ -17,6 +17,10 @@ causal LM built on the attention interface works unchanged. For layer l and sequ
    repeated), so a one-token step or a prefill computes what HF generate computes, bit for bit.
    A one-token row may take a faster layout of that call (attention.py): by default only where
    a start-up probe finds it bitwise equal; with attention_fold true also where it is not.
+   Where the model runs the packed CPU kernel (float32 on an x86 CPU), the step instead writes
+   every new slot with one index_copy_ per layer and attends all its decode and verify rows in
+   one call of the row-attention kernel (row_attn.py): each row alone over its own slots, so
+   every row is bitwise the one-token step that sees them, at no per-row cost.
 
 Nothing is committed: the caller keeps what it accepted with `SequenceKV.commit` (rejected drafts
 are dropped by bookkeeping; a tree moves its accepted path's slots down, at most k of them).
@@ -34,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, quant, rowexact
+from specmesh.engine import cpu_gemm, quant, row_attn, rowexact
 from specmesh.engine.attention import sdpa
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
@@ -53,12 +57,14 @@ class _Seq:
     causal: bool = False
     mask: torch.Tensor | None = None
     paths: list[torch.Tensor] | None = None
+    kernel: bool = False  # its rows attend in the row-attention kernel (row_attn)
 
 
 @dataclass
 class _Plan:
     seqs: list[_Seq]
     row_exact: bool
+    rows: list[row_attn.RowPlan] | None = None  # the kernel's rows per pool, when the step takes it
 
 
 _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("specmesh_pool_plan", default=None)
@@ -106,9 +112,19 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
     layer = module.layer_idx
     heads, d = query.shape[1], query.shape[3]
     out = query.new_empty((query.shape[2], heads, d))  # [T, heads, D]
+    for rp in plan.rows or ():  # every new slot written at once; the kernel's rows in one call per pool
+        row_attn.write(rp, layer, key, value)
+        o = row_attn.attend(rp, layer, query, scaling if scaling is not None else d**-0.5)  # [R, heads, D]
+        if o is not None and rp.index is None:
+            return o.unsqueeze(0), None
+        if o is not None:
+            out.index_copy_(0, rp.index, o)
     for s in plan.seqs:
         a, n, length = s.offset, s.n, s.kv.length
-        s.kv.write(layer, key[0, :, a : a + n], value[0, :, a : a + n])
+        if s.kernel:
+            continue
+        if plan.rows is None:
+            s.kv.write(layer, key[0, :, a : a + n], value[0, :, a : a + n])
         k, v = s.kv.keys(layer, length + n)[None], s.kv.values(layer, length + n)[None]  # [1, kv_heads, L + n, D]
         if plan.row_exact and n > 1:
             _rows_exact(query[:, :, a : a + n], k, v, length, s.paths, scaling, out[a : a + n])
@@ -142,16 +158,20 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _plan(kvs, inputs, new_masks, depths, row_exact: bool) -> tuple[_Plan, list[int]]:
-    """The step's per-sequence attention plan and the packed position ids (host list)."""
+def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool) -> tuple[_Plan, list[int]]:
+    """The step's per-sequence attention plan and the packed position ids (host list). kernel: the
+    row-attention kernel may take the step (row_attn.usable)."""
     seqs, positions, offset = [], [], 0
+    trees = [new_masks[b] if new_masks and new_masks[b] is not None else None for b in range(len(kvs))]
+    rows, taken = row_attn.plan(kvs, [len(t) for t in inputs], trees) if kernel else (None, [False] * len(kvs))
     for b, (kv, toks) in enumerate(zip(kvs, inputs)):
-        n, length = len(toks), kv.length
-        tree = new_masks[b] if new_masks and new_masks[b] is not None else None
+        n, length, tree = len(toks), kv.length, trees[b]
         depth = depths[b] if depths and depths[b] is not None else None
         positions += [length + int(x) for x in depth] if depth is not None else range(length, length + n)
-        s = _Seq(kv, offset, n)
-        if row_exact and n > 1:
+        s = _Seq(kv, offset, n, kernel=taken[b])
+        if s.kernel:  # its slots are in `rows`
+            pass
+        elif row_exact and n > 1:
             if tree is not None:  # topological order: a row's ancestors in index order are root first
                 s.paths = [tree[j].nonzero().flatten().to(kv.device) for j in range(n)]
         elif length == 0 and tree is None and n > 1:
@@ -161,7 +181,7 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool) -> tuple[_Plan, list[
             s.mask = torch.cat([torch.ones(n, length, dtype=torch.bool, device=kv.device), new], 1)
         seqs.append(s)
         offset += n
-    return _Plan(seqs, row_exact), positions
+    return _Plan(seqs, row_exact, rows), positions
 
 
 def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool) -> torch.Tensor:
@@ -210,7 +230,7 @@ def batched_step(
     for kv, toks in zip(kvs, inputs):
         kv.ensure(kv.length + len(toks))
     device = kvs[0].device
-    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact)
+    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact, row_attn.usable(model, kvs))
     ids = torch.tensor([t for toks in inputs for t in toks], dtype=torch.long).to(device)[None]  # [1, T]
     pos = torch.tensor(positions, dtype=torch.long).to(device)[None]  # [1, T]
     token = _PLAN.set(plan)
