@@ -44,7 +44,6 @@ class ModelDrafter(_BatchedDrafter):
         self.proposal_top_k = proposal_top_k
         # seq_id -> _Cached; cache_max_tokens: KV slots held in all (0: only the sequence count bounds it)
         self._cache = SequenceLru(cache_max_sequences, cache_max_tokens, size=lambda e: e.kv.capacity)
-        self.batcher_max = max_batch_size
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="draft-batcher",
                                streaming=True)
 
@@ -88,7 +87,7 @@ class ModelDrafter(_BatchedDrafter):
                 self._answer(d, results, stream)
             if stream is None or stream.others_waiting():
                 continue
-            for job in stream.take_more(self.batcher_max - len(running)):  # they draft from the next step
+            for job in stream.take_more(len(running)):  # they draft from the next step
                 jobs.append(job)
                 results.append(None)
                 self._join(running, job, len(jobs) - 1, results, stream)

@@ -55,6 +55,12 @@ def _check_address(value: str, key: str) -> None:
            f"{value!r} is not host:port")
 
 
+def literal_host(address: str) -> bool:
+    """Whether host:port names its host as an IPv4 literal or localhost: several such coordinators
+    can share one gRPC channel (round-robin over a static list), other names cannot."""
+    return re.fullmatch(r"(\d+\.){3}\d+|localhost", address.rpartition(":")[0]) is not None
+
+
 def _check_coordinators(value: str, key: str) -> None:
     """host:port, a dns:/// target, or several ip:port separated by commas (see coordinator_target)."""
     if value.startswith("dns:///"):
@@ -64,8 +70,7 @@ def _check_coordinators(value: str, key: str) -> None:
     for address in addresses:
         _check_address(address.strip(), key)
     if len(addresses) > 1:
-        hosts = [a.strip().rpartition(":")[0] for a in addresses]
-        _check(all(h == "localhost" or re.fullmatch(r"\d+\.\d+\.\d+\.\d+", h) for h in hosts), key,
+        _check(all(literal_host(a.strip()) for a in addresses), key,
                "several coordinators must be IPv4 ip:port (or one dns:///name:port that resolves to them)")
 
 

@@ -24,7 +24,6 @@ gateway, coordinator or target worker is gone the rest are stopped too.
 from __future__ import annotations
 
 import os
-import re
 import signal
 import socket
 import subprocess
@@ -33,7 +32,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-from specmesh.config import MeshConfig
+from specmesh.config import MeshConfig, literal_host
 from specmesh.health_probe import check_serving, probe_tls_for, wait_serving
 from specmesh.procutil import wait_or_kill
 from specmesh.rpc.client_tls import ClientTls
@@ -142,8 +141,9 @@ class Mesh:
         scheme = "https" if self.cfg.tls.public.cert_file else "http"
         return [f"{scheme}://{a}/v1" for a in self.http]
 
-    def _child_env(self, service: str, index: int) -> dict:
-        env = dict(self.env)
+    def _child_env(self, service: str, index: int, base: dict | None = None) -> dict:
+        """The environment of `service` child `index`: base (default self.env) plus its wiring."""
+        env = dict(self.env if base is None else base)
         if self.redis_url:
             env["SPECMESH_REGISTRY__URL"] = self.redis_url
         elif service == "coordinator":
@@ -151,7 +151,7 @@ class Mesh:
             env["SPECMESH_COORDINATOR__TARGET_WORKERS"] = "[" + ", ".join(self.addresses["target_worker"]) + "]"
         if service == "gateway":
             coords = self.addresses["coordinator"]
-            every = all(re.fullmatch(r"(\d+\.){3}\d+|localhost", a.rpartition(":")[0]) for a in coords)
+            every = all(literal_host(a) for a in coords)
             # every gateway over every coordinator (round-robin, a dead one skipped) where the
             # addresses allow it (IPv4 literals), else gateway i -> coordinator i mod C
             env["SPECMESH_GATEWAY__COORDINATOR"] = ",".join(coords) if every else coords[index % len(coords)]
@@ -159,7 +159,8 @@ class Mesh:
                 env["SPECMESH_HTTP__LISTEN"] = self.http[index]
         return env
 
-    def _spawn(self, name: str, module: str, address: str, service: str = "", index: int = 0) -> Child:
+    def _spawn(self, name: str, module: str, address: str, service: str = "", index: int = 0,
+               extra_env: dict | None = None) -> Child:
         cmd = [sys.executable, "-m", module, "--listen", address]
         if self.config_path:
             cmd += ["--config", str(self.config_path)]
@@ -168,7 +169,8 @@ class Mesh:
             self.log_dir.mkdir(parents=True, exist_ok=True)
             log_path = self.log_dir / f"{name}.log"
             out = open(log_path, "ab")
-        env = self._child_env(service, index) if service else self.env
+        base = {**self.env, **(extra_env or {})}
+        env = self._child_env(service, index, base) if service else base
         proc = subprocess.Popen(cmd, env=env, stdout=out, stderr=subprocess.STDOUT if out else None,
                                 start_new_session=True)
         if out:
@@ -235,12 +237,7 @@ class Mesh:
             raise RuntimeError(f"{name} is still running (pid {old.proc.pid})")
         module = next(m for s, m, _ in SERVICES if s == old.service)
         index = int(name.rsplit("_", 1)[1]) if name != old.service else 0
-        saved = self.env
-        self.env = {**saved, **(extra_env or {})}
-        try:
-            self.children[i] = self._spawn(name, module, old.address, old.service, index)
-        finally:
-            self.env = saved
+        self.children[i] = self._spawn(name, module, old.address, old.service, index, extra_env)
         self._reported.discard(name)
         return self.children[i]
 

@@ -71,7 +71,6 @@ class TargetEngine(ModelThread):
         # batch_gather: a verify batch waits up to this fraction of the last verify forward for the
         # sequences between two rounds (their callers are turning a result into the next round)
         self.batch_gather, self._last_verify_s = batch_gather, 0.0
-        self.max_batch_size = max_batch_size
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="target-batcher",
                                gather=self._gather if batch_gather > 0 else None, streaming=True)
         self.last_batch_sizes: list[int] = []

@@ -54,7 +54,7 @@ class VerifyJob:
 
 class ModelThread:
     """The forwards of a TargetEngine, run on its model thread. Uses the engine's model,
-    batch_invariant, pool, vocab_size, cost, max_batch_size, last_batch_sizes, _last_verify_s and
+    batch_invariant, pool, vocab_size, cost, last_batch_sizes, _last_verify_s and
     _job_done."""
 
     def _run_batch(self, kind: str, jobs: list, stream=None) -> list:
@@ -138,7 +138,7 @@ class ModelThread:
             if stream.others_waiting():
                 break
             left = [i for i in running if not stream.delivered(i)]
-            joined = stream.take_more(self.max_batch_size - len(left))  # they run at least one step
+            joined = stream.take_more(len(left))  # they run at least one step
             jobs.extend(joined)
             results += [None] * len(joined)
             taken += [0] * len(joined)

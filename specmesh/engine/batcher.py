@@ -52,11 +52,12 @@ class Stream:
         self._done.add(i)
         _settle(self.jobs[i].future, result)
 
-    def take_more(self, limit: int) -> list:
-        """Payloads of up to `limit` queued jobs of this batch's kind, now part of it (no wait);
-        jobs of another kind met on the way are held for the next batch."""
+    def take_more(self, running: int) -> list:
+        """Payloads of queued jobs of this batch's kind, now part of it (no wait), as many as the
+        batcher's max_batch leaves room for beside `running` jobs still in the batch; jobs of
+        another kind met on the way are held for the next batch."""
         b, kind, taken = self._batcher, self.jobs[0].kind, []
-        while len(taken) < limit:
+        while len(taken) < b._max_batch - running:
             try:
                 job = b._queue.get_nowait()
             except queue.Empty:

@@ -308,7 +308,8 @@ def test_a_streaming_batch_answers_early_takes_joiners_and_yields_to_another_kin
             return [f"{kind}:{p}" for p in payloads]
         stream.deliver(0, "early")  # the first job is done after its first step
         assert proceed.wait(WAIT)  # meanwhile: another "step" job and a "prefill" job queue up
-        joined = stream.take_more(4)
+        assert stream.take_more(running=8) == []  # max_batch 8: no room beside 8 running jobs
+        joined = stream.take_more(running=4)
         seen.update(joined=joined, others=stream.others_waiting())
         payloads = payloads + joined
         return [f"late:{p}" for p in payloads]
