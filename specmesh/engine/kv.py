@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, quant, row_attn, rowexact
+from specmesh.engine import cpu_gemm, lean, quant, row_attn, rowexact
 from specmesh.engine.attention import sdpa
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
@@ -201,6 +201,14 @@ def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool) -> to
     return torch.cat([F.linear(hidden[i : i + step], w) for i in range(0, hidden.shape[0], step)]).float()
 
 
+def _lean_ok(model, plan: _Plan, rows: int, row_exact: bool, hidden_layers) -> bool:
+    """Whether the step takes lean.forward (bitwise HF's modules, fewer calls): every row on the
+    row-attention kernel, no hidden states asked, and the linears on the packed kernel as HF's
+    path would run them (all rows where deterministic, else up to cpu_gemm.MAX_ROWS)."""
+    return (plan.rows is not None and all(s.kernel for s in plan.seqs) and not hidden_layers
+            and (row_exact or rows <= cpu_gemm.MAX_ROWS) and lean.prepare(model))
+
+
 @torch.inference_mode()
 def batched_step(
     model: torch.nn.Module,
@@ -236,9 +244,12 @@ def batched_step(
     token = _PLAN.set(plan)
     try:
         with rowexact.rows(row_exact), cpu_gemm.active():
-            out = model.model(input_ids=ids, position_ids=pos, use_cache=False,
-                              output_hidden_states=bool(hidden_layers))
-            final = out.last_hidden_state[0]  # [T, H]
+            if _lean_ok(model, plan, ids.shape[1], row_exact, hidden_layers):
+                out, final = None, lean.forward(model, ids[0], pos[0], plan.rows)  # [T, H]
+            else:
+                out = model.model(input_ids=ids, position_ids=pos, use_cache=False,
+                                  output_hidden_states=bool(hidden_layers))
+                final = out.last_hidden_state[0]  # [T, H]
             wanted = [list(range(len(toks))) if not logits_rows or logits_rows[b] is None else list(logits_rows[b])
                       for b, toks in enumerate(inputs)]
             rows = torch.tensor([s.offset + j for s, w in zip(plan.seqs, wanted) for j in w], dtype=torch.long)

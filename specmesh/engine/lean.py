@@ -1,0 +1,136 @@
+"""A lean decoder forward for Llama-shaped models on the packed CPU kernel: the same arithmetic as
+HF's modules, in a fraction of the calls.
+
+HF's decoder layer, run through the engine, makes ~45 tensor calls per layer (norms, seven
+linears, RoPE through slices and a cat, views, transposes, the attention interface) and walks
+the module tree in Python. On a 2-core AMD EPYC in float32 that is ~10 ms of a ~48 ms one-token
+step of SmolLM2-135M. This forward does one layer as
+
+    h = rmsnorm(x)                   ; qkv = linear(h, [Wq; Wk; Wv])    [T, (H + 2 KV) D]
+    q, k = rope(q), rope(k)          ; write k, v to the pool; o = row_attention(q)
+    x = x + linear(o, Wo)            ; h = rmsnorm(x); gu = linear(h, [Wg; Wu])
+    x = x + linear(silu(g) * u, Wd)
+
+with the packed kernel (csrc/packed_gemm.cpp) and the row-attention kernel (row_attn.py). Every
+packed output column is its own FMA chain, so one linear over the stacked [Wq; Wk; Wv] gives
+bitwise what three do, and the elementwise ops are HF's own ops in HF's order: the logits are
+bitwise the HF-module path's (tests/unit/test_lean.py), so a step may take either path (a step
+that asks for hidden states takes HF's) and speculation stays bitwise the target alone.
+
+The stacked weights cost no memory: they are packed once per layer, and the per-projection
+packed weights HF's path reads become views of them (each projection's rows are a whole number of
+16-column panels; where they are not, the model keeps HF's path).
+
+Where it applies (`usable`): the model runs the packed kernel and the row-attention kernel
+(float32 on an x86 CPU with AVX2), its layers are Llama-shaped (Llama, Qwen2, Mistral: pre-norm
+RMSNorm, q/k/v/o and gate/up/down projections, SiLU, no q/k norms), and no draft int8 copies.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmesh.engine import cpu_gemm, row_attn
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+PANEL = 16  # output rows per packed panel (csrc/packed_gemm.cpp)
+
+
+def _shaped(model: torch.nn.Module) -> bool:
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in ARCHITECTURES or getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, n) for n in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return False
+    for layer in inner.layers:
+        a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if a is None or mlp is None or hasattr(a, "q_norm") or hasattr(a, "k_norm"):
+            return False
+        projs = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projs += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(p is None or getattr(p, "_specmesh_packed", None) is None or getattr(p, "_specmesh_int8", None)
+               is not None or p.out_features % PANEL for p in projs):
+            return False
+    return True
+
+
+def _stack(mods: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Pack [W_1; W_2; ...] once; each module's packed weight becomes its view (no second copy)."""
+    ext = cpu_gemm.load()
+    packed = ext.pack(torch.cat([m.weight.detach() for m in mods]))  # [P, K, 16]
+    at = 0
+    for m in mods:
+        panels = m.out_features // PANEL
+        m._specmesh_packed = packed[at : at + panels]
+        at += panels
+    biases = [m.bias for m in mods]
+    bias = None if all(b is None for b in biases) else torch.cat(
+        [b.detach() if b is not None else torch.zeros(m.out_features) for b, m in zip(biases, mods)])
+    return packed, bias
+
+
+def prepare(model: torch.nn.Module) -> bool:
+    """Stack each layer's projections (once per model). True when the lean forward applies."""
+    done = getattr(model, "_specmesh_lean", None)
+    if done is not None:
+        return done
+    ok = bool(getattr(model, "_specmesh_cpu_gemm", False)) and _shaped(model)
+    if ok:
+        with torch.no_grad():
+            for layer in model.model.layers:
+                a, mlp = layer.self_attn, layer.mlp
+                layer._specmesh_qkv = _stack([a.q_proj, a.k_proj, a.v_proj])
+                layer._specmesh_gate_up = _stack([mlp.gate_proj, mlp.up_proj])
+    model._specmesh_lean = ok
+    return ok
+
+
+def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """HF's RMSNorm on a float32 x: [T, hidden] (its ops, its order)."""
+    variance = x.pow(2).mean(-1, keepdim=True)
+    return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb for one tensor. x: [T, heads, D]; cos, sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return cpu_gemm.load().linear(x, packed, bias, packed.shape[0] * PANEL)
+
+
+@torch.inference_mode()
+def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
+            plans: list[row_attn.RowPlan]) -> torch.Tensor:
+    """ids, positions: [T] long; plans: the step's row plans, covering every row (row_attn.plan)
+    -> the final normed hidden states [T, hidden] float32."""
+    inner, cfg = model.model, model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    t = ids.shape[0]
+    x = inner.embed_tokens(ids)  # [T, hidden]
+    cos, sin = inner.rotary_emb(x[None], positions[None])  # [1, T, D] each
+    cos, sin = cos[0][:, None], sin[0][:, None]  # [T, 1, D]
+    q_end, k_end = heads * d, (heads + kv_heads) * d
+    for i, layer in enumerate(inner.layers):
+        a, mlp = layer.self_attn, layer.mlp
+        qkv = _linear(_rms(x, layer.input_layernorm), *layer._specmesh_qkv)  # [T, (H + 2 KV) D]
+        q = _rope(qkv[:, :q_end].view(t, heads, d), cos, sin)  # [T, H, D]
+        k = _rope(qkv[:, q_end:k_end].view(t, kv_heads, d), cos, sin)  # [T, KV, D]
+        v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, KV, D]
+        o = torch.empty(t, heads, d)  # [T, H, D]
+        for p in plans:
+            row_attn.write(p, i, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
+            rows = row_attn.attend(p, i, q.transpose(0, 1)[None], a.scaling)  # [R, H, D]
+            if p.index is None:
+                o = rows
+            else:
+                o.index_copy_(0, p.index, rows)
+        x = x + _linear(o.reshape(t, heads * d), a.o_proj._specmesh_packed, a.o_proj.bias)
+        gu = _linear(_rms(x, layer.post_attention_layernorm), *layer._specmesh_gate_up)  # [T, 2 I]
+        inter = gu.shape[1] // 2
+        x = x + _linear(mlp.act_fn(gu[:, :inter]) * gu[:, inter:], mlp.down_proj._specmesh_packed, mlp.down_proj.bias)
+    return _rms(x, inner.norm)
