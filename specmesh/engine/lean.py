@@ -121,14 +121,8 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
         q = _rope(qkv[:, :q_end].view(t, heads, d), cos, sin)  # [T, H, D]
         k = _rope(qkv[:, q_end:k_end].view(t, kv_heads, d), cos, sin)  # [T, KV, D]
         v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, KV, D]
-        o = torch.empty(t, heads, d)  # [T, H, D]
-        for p in plans:
-            row_attn.write(p, i, k.transpose(0, 1)[None], v.transpose(0, 1)[None])
-            rows = row_attn.attend(p, i, q.transpose(0, 1)[None], a.scaling)  # [R, H, D]
-            if p.index is None:
-                o = rows
-            else:
-                o.index_copy_(0, p.index, rows)
+        o = row_attn.step(plans, i, k.transpose(0, 1)[None], v.transpose(0, 1)[None], q.transpose(0, 1)[None],
+                          a.scaling)  # [T, H, D]: every row is on the kernel
         x = x + _linear(o.reshape(t, heads * d), a.o_proj._specmesh_packed, a.o_proj.bias)
         gu = _linear(_rms(x, layer.post_attention_layernorm), *layer._specmesh_gate_up)  # [T, 2 I]
         inter = gu.shape[1] // 2

@@ -46,8 +46,7 @@ class RowPlan:
 def usable(model: torch.nn.Module, kvs) -> bool:
     """Whether this step can take the kernel: the model runs the packed CPU kernel (float32, CPU)
     and its heads fit (head dim a multiple of 32, query heads a multiple of kv heads)."""
-    ext = cpu_gemm.load() if getattr(model, "_specmesh_cpu_gemm", False) else None
-    if ext is None or not hasattr(ext, "row_attention"):
+    if not getattr(model, "_specmesh_cpu_gemm", False):  # True only where the extension loaded
         return False
     heads = model.config.num_attention_heads
     return all(kv.pool.dtype == torch.float32 and kv.pool.device.type == "cpu" and kv.pool.head_dim % 32 == 0
@@ -100,6 +99,25 @@ def write(p: RowPlan, layer: int, key: torch.Tensor, value: torch.Tensor) -> Non
         k, v = k.index_select(1, p.new_rows), v.index_select(1, p.new_rows)
     p.pool.k[layer].index_copy_(1, p.write_slots, k)
     p.pool.v[layer].index_copy_(1, p.write_slots, v)
+
+
+def step(plans: list[RowPlan], layer: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
+         scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """One layer of a step on the kernel: every plan's new keys and values written, its rows
+    attended. key, value: [1, kv_heads, T, D]; query: [1, heads, T, D]. Returns [T, heads, D]: a
+    plan's output itself where it covers every row, else `out` (allocated when None and needed)
+    with the kernel's rows filled in (the others are the caller's to fill)."""
+    for p in plans:
+        write(p, layer, key, value)
+        rows = attend(p, layer, query, scale)  # [R, heads, D]
+        if rows is None:
+            continue
+        if p.index is None:
+            return rows
+        if out is None:
+            out = query.new_empty((query.shape[2], query.shape[1], query.shape[3]))
+        out.index_copy_(0, p.index, rows)
+    return out
 
 
 def attend(p: RowPlan, layer: int, query: torch.Tensor, scale: float) -> torch.Tensor | None:
