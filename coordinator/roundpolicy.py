@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from specmesh.config import AUTOREGRESSIVE_DRAFTERS
 from specmesh.core.costmodel import VerifyCost
-from specmesh.core.goodput import KPolicy, RateBook, TreePolicy, skip_beats_drafting
+from specmesh.core.goodput import KPolicy, RateBook, TreePolicy, shared_cycle_s, skip_beats_drafting
 from specmesh.core.types import DraftProposal
 
 
@@ -48,6 +48,13 @@ class RoundPolicy:
 
         if isinstance(policy, TreePolicy):
             return max(0, min(fixed_k, limit)) if policy.choose(seconds, others) else 0
+        if per_token and others >= 1 and draft_s > 0:
+            # beside live others, a round waiting for its draft leaves the target to them meanwhile:
+            # the wait costs this sequence its share of the forwards, not everyone's (shared_cycle_s)
+            def cycle(q: int) -> float:
+                wait = draft_s * max(0, q - 1 - ready)
+                return shared_cycle_s(self.cost.estimate, others + 1, q, wait)
+            return policy.choose(cycle, limit=limit)
         k = policy.choose(seconds, limit=limit, others=others)
         if self.overlap and per_token and ready == 0 and not coming and draft_s > 0:
             fit = self.predraft_tokens(method, 1)  # what the draft tier drafts during a plain step

@@ -17,6 +17,13 @@ which is E(k) / T(k + 1) at B = 1; at B = 16 a draft must pay for everyone's lon
 is a candidate, so speculation switches itself off where it cannot pay (a loaded target, text
 that does not copy its context, a drafter that does not fit it).
 
+A draft model on its own tier drafts one token per forward, and its round waits for it. Alone,
+the wait adds to the round. Beside live others the target does not wait with it: it verifies the
+others' rounds meanwhile. So each sequence's round costs T(n (k + 1)) + wait, n being the share
+of the B sequences not waiting for a draft (shared_cycle_s), and k maximises E(k) over that.
+Pricing the wait as if it stalled everyone's forward chose k = 0 in 42% of the pair's rounds at
+concurrency 4 (23% now; docs/pair.md).
+
 A draft tree makes the same choice over its node budget (TreePolicy): all its nodes or none,
 from its measured tokens per round.
 
@@ -183,6 +190,21 @@ class RateBook:
     def snapshot(self) -> dict[str, list[float]]:
         with self._lock:
             return {m: list(r) for m, r in self._rates.items()}
+
+
+def shared_cycle_s(cost: Callable[[float], float], batch: float, q: int, wait_s: float, rounds: int = 3) -> float:
+    """Seconds of one sequence's round at concurrency `batch` when every live sequence drafts
+    q - 1 tokens on another tier and waits wait_s for them: while a sequence waits for its draft,
+    the target verifies the others', so the forward holds only the share n of the sequences that
+    is not waiting, n / batch = T / (T + wait_s) (at least one), each with q rows. The round takes
+    T(n q) + wait_s; the sequence's goodput E(k) / that, and the mesh's batch times it. With
+    wait_s = 0 it is T(batch q): everyone's rows in one forward. cost(rows): the target's forward."""
+    n = max(1.0, batch)
+    seconds = cost(n * q)
+    for _ in range(rounds):  # a fixed point: 2-3 rounds settle it to a few ms
+        n = max(1.0, batch * seconds / (seconds + wait_s))
+        seconds = cost(n * q)
+    return seconds + wait_s
 
 
 def skip_beats_drafting(rates: list[float], cost: Callable[[int], float], k: int, draft_s: float,

@@ -200,28 +200,44 @@ def test_a_draft_model_waits_per_drafted_token_and_is_seeded_to_draft():
     assert 1 <= chosen["draft_model"] < chosen["block"], chosen
 
 
-def test_live_sequences_count_as_the_batch_even_when_speculation_split_it():
-    """The pair at concurrency 4 (docs/pair.md): speculation pulled the four sequences out of step,
-    the target's mean batch fell to 1.0, and at batch 1 drafting looks worth it, so it kept
-    drafting: a self-fulfilling loss. The live count (4) is the batch a plain step would share, and
-    beside it a drafted chain that waits for its draft no longer pays; a draft already made
-    (a pre-draft hit) still does. Costs: the run's measured table (ms by rows)."""
+def test_beside_live_others_a_drafts_wait_costs_only_the_share_of_the_forward_it_misses():
+    """The pair at concurrency 4 (docs/pair.md). Speculation pulls sequences out of step, so the
+    target's mean batch falls; the live count (4) is the batch a plain step would share. A round
+    that waits for its draft leaves the target to the others meanwhile, so the wait does not stall
+    the forward (the rule once priced it as if it did, chose k = 0 in half the rounds, and the pair
+    reached 0.86-1.07x AR): each sequence's round costs T(n q) + wait, with n the live sequences
+    not waiting. Where extra rows are cheap (bf16, the c4 run's table) drafting pays beside three
+    others; where each row costs its own compute (T proportional to rows) it does not; a ready
+    pre-draft costs no wait."""
     from coordinator.roundpolicy import RoundPolicy
     from specmesh.core.types import DraftProposal
 
-    table = {"rows": [1, 2, 3, 5, 9, 17], "seconds": [0.411, 0.508, 0.694, 0.768, 0.983, 2.52]}
-    chain = DraftProposal([1, 2, 3, 4], None)
+    bf16 = {"rows": [1, 2, 3, 5, 9, 17, 33], "seconds": [0.433, 0.385, 0.421, 0.473, 0.531, 0.695, 0.890]}
+    steep = {"rows": [1, 2, 4, 8, 16, 32], "seconds": [0.4, 0.8, 1.6, 3.2, 6.4, 12.8]}
     picks = {}
-    for live in (1, 4):
+    for name, table in (("bf16", bf16), ("steep", steep)):
         rp = RoundPolicy(k_max=8, rate_book=RateBook())
-        rp.take_cost({**table, "mean_batch": 1.0, "live": live})
-        for _ in range(10):  # the run's rates (~0.87 / 0.78 / 0.72 / 0.65), 0.14 s per drafted token
-            rp.learn("draft_model", chain, accepted=3, draft_s=4 * 0.14)
+        rp.take_cost({**table, "mean_batch": 1.0, "live": 4})
+        for _ in range(10):  # rates ~0.8 per position, 0.15 s per drafted token
+            rp.learn("draft_model", DraftProposal([1, 2, 3, 4, 5]), accepted=4, draft_s=5 * 0.15)
         rp.policies.clear()
-        picks[live] = (rp.k("draft_model", 8, limit=50), rp.k("draft_model", 8, limit=50, ready=8))
-    assert picks[1][0] > 0 and picks[1][1] > 0  # alone: draft, and a ready pre-draft even more so
-    assert picks[4][0] == 0  # beside 3 live others: waiting for a draft does not pay
-    assert picks[4][1] > 0  # a ready pre-draft costs no wait: its rows still pay
+        picks[name] = (rp.k("draft_model", 8, limit=50), rp.k("draft_model", 8, limit=50, ready=8))
+    assert picks["bf16"][0] >= 2  # waiting 0.3 s for two drafts while the others verify pays
+    assert picks["steep"][0] == 0  # every row a full row's compute: a draft never pays beside 3 others
+    assert picks["bf16"][1] >= picks["bf16"][0] and picks["steep"][1] == 0
+
+
+def test_shared_cycle_puts_the_waiting_share_of_the_sequences_out_of_the_forward():
+    from specmesh.core.goodput import shared_cycle_s
+
+    def linear(rows):
+        return 0.3 + 0.01 * rows
+
+    assert shared_cycle_s(linear, 4, 3, 0.0) == pytest.approx(linear(12))  # no wait: everyone's rows
+    assert shared_cycle_s(linear, 1, 3, 0.5) == pytest.approx(linear(3) + 0.5)  # alone: forward + wait
+    # a wait as long as the forward: about half the sequences are in it
+    got = shared_cycle_s(linear, 4, 3, 0.33)
+    assert linear(6) + 0.33 < got < linear(7) + 0.33
 
 
 def test_the_live_count_travels_with_the_cost_table():
