@@ -42,19 +42,18 @@ class RoundPolicy:
         draft_s = self.draft_s.get(method, 0.0)  # a drafting round also waits for its draft
         per_token = method in AUTOREGRESSIVE_DRAFTERS
 
+        def wait(q: int) -> float:  # for the q - 1 drafts of q positions, less those ready
+            return 0.0 if q - 1 <= ready else draft_s * (q - 1 - ready) if per_token else draft_s
+
         def seconds(q: int) -> float:
-            wait = 0.0 if q - 1 <= ready else draft_s * (q - 1 - ready) if per_token else draft_s
-            return self.cost.estimate(others + q) + wait
+            return self.cost.estimate(others + q) + wait(q)
 
         if isinstance(policy, TreePolicy):
             return max(0, min(fixed_k, limit)) if policy.choose(seconds, others) else 0
         if per_token and others >= 1 and draft_s > 0:
             # beside live others, a round waiting for its draft leaves the target to them meanwhile:
             # the wait costs this sequence its share of the forwards, not everyone's (shared_cycle_s)
-            def cycle(q: int) -> float:
-                wait = draft_s * max(0, q - 1 - ready)
-                return shared_cycle_s(self.cost.estimate, others + 1, q, wait)
-            return policy.choose(cycle, limit=limit)
+            return policy.choose(lambda q: shared_cycle_s(self.cost.estimate, others + 1, q, wait(q)), limit=limit)
         k = policy.choose(seconds, limit=limit, others=others)
         if self.overlap and per_token and ready == 0 and not coming and draft_s > 0:
             fit = self.predraft_tokens(method, 1)  # what the draft tier drafts during a plain step

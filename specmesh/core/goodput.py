@@ -22,7 +22,7 @@ the wait adds to the round. Beside live others the target does not wait with it:
 others' rounds meanwhile. So each sequence's round costs T(n (k + 1)) + wait, n being the share
 of the B sequences not waiting for a draft (shared_cycle_s), and k maximises E(k) over that.
 Pricing the wait as if it stalled everyone's forward chose k = 0 in 42% of the pair's rounds at
-concurrency 4 (23% now; docs/pair.md).
+concurrency 4 (20-23% now, two runs; docs/pair.md).
 
 A draft tree makes the same choice over its node budget (TreePolicy): all its nodes or none,
 from its measured tokens per round.

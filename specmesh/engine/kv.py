@@ -111,11 +111,11 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
                                       dropout=dropout, **kwargs)
     layer = module.layer_idx
     heads, d = query.shape[1], query.shape[3]
-    out = query.new_empty((query.shape[2], heads, d))  # [T, heads, D]
+    out = None  # [T, heads, D]
     if plan.rows is not None:  # every new slot written at once; the kernel's rows in one call per pool
-        done = row_attn.step(plan.rows, layer, key, value, query, scaling if scaling is not None else d**-0.5, out)
-        if done is not out:  # one plan covered every row
-            return done.unsqueeze(0), None
+        out = row_attn.step(plan.rows, layer, key, value, query, scaling if scaling is not None else d**-0.5)
+    if out is None:  # the kernel took no row
+        out = query.new_empty((query.shape[2], heads, d))
     for s in plan.seqs:
         a, n, length = s.offset, s.n, s.kv.length
         if s.kernel:

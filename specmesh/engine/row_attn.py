@@ -102,11 +102,12 @@ def write(p: RowPlan, layer: int, key: torch.Tensor, value: torch.Tensor) -> Non
 
 
 def step(plans: list[RowPlan], layer: int, key: torch.Tensor, value: torch.Tensor, query: torch.Tensor,
-         scale: float, out: torch.Tensor | None = None) -> torch.Tensor | None:
+         scale: float) -> torch.Tensor | None:
     """One layer of a step on the kernel: every plan's new keys and values written, its rows
     attended. key, value: [1, kv_heads, T, D]; query: [1, heads, T, D]. Returns [T, heads, D]: a
-    plan's output itself where it covers every row, else `out` (allocated when None and needed)
-    with the kernel's rows filled in (the others are the caller's to fill)."""
+    plan's output itself where it covers every row, else a new tensor with the kernel's rows filled
+    in (the others are the caller's to fill); None when the kernel took no row."""
+    out = None
     for p in plans:
         write(p, layer, key, value)
         rows = attend(p, layer, query, scale)  # [R, heads, D]
