@@ -251,12 +251,15 @@ class GrpcDraftPool:
         return best
 
     def propose(self, seq_id: str, context: list[int], k: int, method: str, params: SamplingParams,
-                round_: int, timeout: float, features=None, tree_budget: int = 0, calls=None) -> DraftProposal:
+                round_: int, timeout: float, features=None, tree_budget: int = 0, calls=None,
+                budget_s: float = 0.0) -> DraftProposal:
         """features: (rows [r, F], complete) for the block drafter (ProposeRequest.features).
-        calls: a list the in-flight call is appended to, for a caller that may cancel it."""
+        calls: a list the in-flight call is appended to, for a caller that may cancel it.
+        budget_s > 0: up to k tokens, those drafted within budget_s (ProposeRequest.budget_s)."""
         member = self._pick(seq_id, method)
         req = pb.ProposeRequest(seq_id=seq_id, context=context, num_tokens=k, method=method,
-                                sampling=sampling_to_pb(params), round=round_, tree_budget=tree_budget)
+                                sampling=sampling_to_pb(params), round=round_, tree_budget=tree_budget,
+                                budget_s=budget_s)
         if features is not None and features[0] is not None:
             req.features.CopyFrom(features_to_pb(features[0]))
             req.features_complete = features[1]

@@ -54,7 +54,7 @@ class TargetClient(Protocol):
 
 class DraftPool(Protocol):
     def propose(self, seq_id: str, context: list[int], k: int, method: str, params: SamplingParams,
-                round_: int, timeout: float, calls: list | None = None) -> DraftProposal: ...
+                round_: int, timeout: float, calls: list | None = None, budget_s: float = 0.0) -> DraftProposal: ...
     def release(self, seq_id: str) -> None: ...
 
 
@@ -82,8 +82,9 @@ class Generation(Drafting):
         # overlap: an Executor to draft round r+1 on while round r verifies (predraft.py); None: off
         self._guess: int | None = None
         self.predraft = None if overlap is None or drafts is None else Predrafter(
-            lambda ctx, n, r, calls: self.drafts.propose(self.seq_id, ctx, n, self.method, self.req.params, r,
-                                                         self.draft_timeout_s, calls=calls), overlap)
+            lambda ctx, n, r, calls, budget_s: self.drafts.propose(self.seq_id, ctx, n, self.method, self.req.params,
+                                                                   r, self.draft_timeout_s, calls=calls,
+                                                                   budget_s=budget_s), overlap)
         # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model (a tree: its
         # node budget or none)
         self.rounds = RoundPolicy(req.k_max, rate_book, control, tree_budget=req.tree_budget,

@@ -14,6 +14,11 @@ miss: the pre-draft is dropped and round r+1 drafts just in time, as without ove
 Rounds that draft nothing pre-draft too (G = the context, n = 1 + k): the draft tier keeps up with
 the sequence on its own cores, and once the target's token matches the drafter's, the next round
 has a draft at no wait, so a drafter that fits the text is measured and used again.
+
+Beside live others (concurrency > 1) rounds verify only what a pre-draft already holds, so that no
+sequence falls out of the target's batch waiting for a draft; there a pre-draft has a time budget
+instead of a length: the draft tier answers with what it drafted when the target's forward is
+expected to end (ProposeRequest.budget_s; RoundPolicy.predraft_budget_s).
 """
 
 from __future__ import annotations
@@ -27,17 +32,19 @@ from specmesh.core.types import DraftProposal
 
 
 class Predrafter:
-    def __init__(self, propose: Callable[[list[int], int, int, list], DraftProposal], executor: Executor):
-        # (context, n, round, calls) -> DraftProposal, may raise; it appends its in-flight RPC to
-        # calls, which a miss cancels, so a stale pre-draft stops drafting and frees the draft tier
+    def __init__(self, propose: Callable[[list[int], int, int, list, float], DraftProposal], executor: Executor):
+        # (context, n, round, calls, budget_s) -> DraftProposal, may raise; it appends its in-flight
+        # RPC to calls, which a miss cancels, so a stale pre-draft stops drafting and frees the draft
+        # tier; budget_s > 0: up to n tokens, those drafted within budget_s
         self._propose = propose
         self._executor = executor
         self._pending: tuple[list[int], Future, list] | None = None  # (base G, future of t_1..t_n, calls)
         self.hits = self.misses = 0  # pre-drafts used / dropped unused (a request's last is neither)
         self.wait_s = 0.0  # time rounds spent waiting for a pre-draft that was a hit
 
-    def start(self, base: list[int], n: int, round_: int) -> None:
-        """Draft n tokens after `base` for round `round_`. Replaces any pre-draft still pending,
+    def start(self, base: list[int], n: int, round_: int, budget_s: float = 0.0) -> None:
+        """Draft n tokens after `base` for round `round_` (budget_s > 0: as many of them as the draft
+        tier drafts within budget_s, at least one). Replaces any pre-draft still pending,
         except one in flight from this very base (a round without a draft that did not wait for
         it): it is already drafting what this one would."""
         if self._pending is not None and self._pending[0] == list(base) and not self._pending[1].done():
@@ -48,7 +55,7 @@ class Predrafter:
         base, calls = list(base), []
         # in the request's context (trace parent, request id, canary arm), like its other calls
         run = contextvars.copy_context().run
-        self._pending = (base, self._executor.submit(run, self._propose, base, n, round_, calls), calls)
+        self._pending = (base, self._executor.submit(run, self._propose, base, n, round_, calls, budget_s), calls)
 
     def ready(self, context: list[int]) -> int:
         """Draft tokens a finished pre-draft holds past `context` now (0: none, in flight, or a miss);

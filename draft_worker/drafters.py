@@ -38,6 +38,7 @@ class ProposeJob:
     features_complete: bool = False  # the sender's whole window: replace, do not append
     tree_budget: int = 0  # > 0: a draft tree of at most this many nodes (block drafter)
     alive: Callable[[], bool] = lambda: True  # False once the caller cancelled: stop drafting for it
+    stop_at: float = 0.0  # > 0: time.monotonic() by which to answer with what is drafted (model drafter)
 
 
 class NgramDrafter:

@@ -11,6 +11,7 @@ schedules), so requests out of step with one another still share the draft model
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -77,12 +78,15 @@ class ModelDrafter(_BatchedDrafter):
         results: list[DraftProposal | None] = [None] * len(jobs)
         for i, job in enumerate(jobs):
             self._join(running, job, i, results, stream)
+        step_s = 0.0  # the last step's seconds: a budgeted job stops when another would overrun it
         while running:
+            t0 = time.monotonic()
             outs = batched_step(self.model, [d.entry.kv for d in running], [d.inputs for d in running],
                                 logits_rows=[[len(d.inputs) - 1] for d in running])
             for d, out in zip(running, outs):
                 d.advance(out.logits, self.proposal_top_k)  # out.logits: [1, V]
-            for d in [d for d in running if d.finished()]:
+            step_s = time.monotonic() - t0
+            for d in [d for d in running if d.finished(step_s)]:
                 running.remove(d)
                 self._answer(d, results, stream)
             if stream is None or stream.others_waiting():
@@ -131,10 +135,13 @@ class _Drafting:
         self.probs.append(q[0])
         self.inputs = [token]
 
-    def finished(self) -> bool:
+    def finished(self, step_s: float = 0.0) -> bool:
         # a cancelled call (a pre-draft the coordinator found stale) stops here: its cache keeps
-        # what was forwarded, and the draft tier is free for the round that replaces it
-        return len(self.drafts) >= self.job.k or not self.job.alive()
+        # what was forwarded, and the draft tier is free for the round that replaces it; a budgeted
+        # one (a pre-draft beside live others) when one more step of step_s would end past its time
+        if len(self.drafts) >= self.job.k or not self.job.alive():
+            return True
+        return self.job.stop_at > 0 and time.monotonic() + step_s > self.job.stop_at
 
     def result(self) -> DraftProposal:
         # greedy drafts are a point mass: no distribution to send

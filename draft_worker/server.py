@@ -6,6 +6,7 @@ import dataclasses
 import logging
 import sys
 import threading
+import time
 
 from draft_worker.block_loader import load_block_model
 from draft_worker.drafters import BlockDrafter, NgramDrafter, ProposeJob
@@ -28,6 +29,7 @@ from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
 log = logging.getLogger(__name__)
 
 MAX_CONTEXT_TOKENS = 1 << 17  # a drafter without a context window of its own (n-gram) reads at most this many
+MAX_BUDGET_S = 3600.0  # ProposeRequest.budget_s
 
 
 class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
@@ -62,13 +64,16 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
             raise InvalidArgument("context", "must hold at least one token")
         if not 0 <= request.tree_budget <= MAX_TREE_BUDGET:
             raise InvalidArgument("tree_budget", f"must be in [0, {MAX_TREE_BUDGET}]")
+        if not 0 <= request.budget_s <= MAX_BUDGET_S:  # NaN fails too
+            raise InvalidArgument("budget_s", f"must be in [0, {MAX_BUDGET_S}] seconds")
         if len(request.seq_id) > MAX_SEQ_ID_CHARS:
             raise InvalidArgument("seq_id", f"at most {MAX_SEQ_ID_CHARS} characters")
         _check_context(drafter, request.context)
         job = ProposeJob(request.seq_id, list(request.context), request.num_tokens,
                          checked_sampling_from_pb(request.sampling), request.round,
                          features_from_pb(request.features), request.features_complete, request.tree_budget,
-                         alive=context.is_active)
+                         alive=context.is_active,
+                         stop_at=time.monotonic() + request.budget_s if request.budget_s > 0 else 0.0)
         draft = drafter.propose(job, timeout=context.time_remaining())
         set_attributes({"specmesh.drafter": request.method, "specmesh.seq_id": request.seq_id,
                         "specmesh.num_speculative_tokens": request.num_tokens,

@@ -53,21 +53,24 @@ class Stream:
         _settle(self.jobs[i].future, result)
 
     def take_more(self, running: int) -> list:
-        """Payloads of queued jobs of this batch's kind, now part of it (no wait), as many as the
-        batcher's max_batch leaves room for beside `running` jobs still in the batch; jobs of
-        another kind met on the way are held for the next batch."""
-        b, kind, taken = self._batcher, self.jobs[0].kind, []
-        while len(taken) < b._max_batch - running:
+        """Payloads of queued jobs of this batch's kind, now part of it, as many as the batcher's
+        max_batch leaves room for beside `running` jobs still in the batch; jobs of another kind
+        met on the way are held for the next batch. With a gather, the next step waits (bounded)
+        for the jobs it says are coming, as a new batch does: else the jobs queued during a step
+        start the next one alone while those just answered come back a few ms later, and the
+        sequences settle into groups that alternate forwards (half the batch per forward)."""
+        b, kind, new = self._batcher, self.jobs[0].kind, []
+        while len(new) < b._max_batch - running:
             try:
                 job = b._queue.get_nowait()
             except queue.Empty:
                 break
-            if job.kind != kind:
-                b._held.append(job)
-            elif job.future.set_running_or_notify_cancel():
-                self.jobs.append(job)
-                taken.append(job.payload)
-        return taken
+            (new if job.kind == kind else b._held).append(job)
+        if b._gather is not None and not b._held and running + len(new) > 0:
+            b._wait_for_more(kind, new, b._held, running)
+        live = [job for job in new if job.future.set_running_or_notify_cancel()]
+        self.jobs.extend(live)
+        return [job.payload for job in live]
 
     def others_waiting(self) -> bool:
         """A job of another kind waits, or the batcher is closing: finish the batch now."""
@@ -146,11 +149,12 @@ class Batcher:
         self._held = rest
         return batch
 
-    def _wait_for_more(self, kind: str, batch: list[Job], rest: list[Job]) -> None:
-        """Wait (bounded) for jobs of `kind` that gather says are coming; another kind ends it."""
-        want, wait_s = self._gather(kind, len(batch))
+    def _wait_for_more(self, kind: str, batch: list[Job], rest: list[Job], running: int = 0) -> None:
+        """Wait (bounded) for jobs of `kind` that gather says are coming, beside `running` jobs
+        already in a streaming batch; another kind ends it."""
+        want, wait_s = self._gather(kind, running + len(batch))
         deadline = time.monotonic() + wait_s
-        while len(batch) < min(want, self._max_batch) and not rest:
+        while running + len(batch) < min(want, self._max_batch) and not rest:
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -27,14 +27,14 @@ def context(prompt_encoder):
     return prompt_encoder.encode(PROMPT, None)
 
 
-def _propose(stub, context, k, method="draft_model", seq_id="s", temperature=None, seed=None, round_=0):
+def _propose(stub, context, k, method="draft_model", seq_id="s", temperature=None, seed=None, round_=0, budget_s=0.0):
     sampling = pb.SamplingOptions()
     if temperature is not None:
         sampling.temperature = temperature
     if seed is not None:
         sampling.seed = seed
     req = pb.ProposeRequest(seq_id=seq_id, context=list(context), num_tokens=k, method=method, sampling=sampling,
-                            round=round_)
+                            round=round_, budget_s=budget_s)
     return stub.Propose(req, timeout=120)
 
 
@@ -76,9 +76,25 @@ def test_sampled_drafts_carry_their_distributions(worker, context):
     assert again.vocab_size == vocab
 
 
+def test_a_budgeted_proposal_answers_in_time_with_what_it_drafted(worker, context, hf_reference):
+    """budget_s (a pre-draft beside live others): up to k tokens, those drafted in the budget, at
+    least one; they are the model's own greedy continuation as far as they go."""
+    import time
+
+    stub = worker.draft_stub
+    _propose(stub, context, 1, seq_id="warm")  # the worker's first forward is slow
+    t0 = time.monotonic()
+    resp = _propose(stub, context, 16, seq_id="budget", budget_s=0.001)
+    assert len(resp.token_ids) == 1 and time.monotonic() - t0 < 60
+    full = _propose(stub, context, 16, seq_id="full")
+    assert list(full.token_ids) == hf_reference(prompt_ids=context, max_tokens=16).token_ids
+    assert list(resp.token_ids) == list(full.token_ids[:1])
+
+
 def test_bad_requests_are_invalid_argument(worker, context):
     stub = worker.draft_stub
-    for kwargs in (dict(method="medusa"), dict(method=""), dict(k=17), dict(k=-1)):
+    for kwargs in (dict(method="medusa"), dict(method=""), dict(k=17), dict(k=-1), dict(budget_s=-1.0),
+                   dict(budget_s=float("nan")), dict(budget_s=1e9)):
         k = kwargs.pop("k", 2)
         with pytest.raises(grpc.RpcError) as info:
             _propose(stub, context, k, **kwargs)

@@ -323,3 +323,42 @@ def test_a_streaming_batch_answers_early_takes_joiners_and_yields_to_another_kin
     assert other.result(WAIT) == "prefill:p"  # ran as its own batch after
     # "b" was in the first batch, or (the model thread took "a" before "b" was queued) joined with "c"
     assert seen["joined"] in (["c"], ["b", "c"]) and seen["others"]
+
+
+
+def test_a_streaming_batchs_next_step_gathers_the_jobs_it_just_answered(make_batcher):
+    """A streaming batch takes the jobs queued during a step into its next step; with a gather it
+    also waits (bounded) for those said to be coming, as a new batch does. Without that, a job
+    queued during a step started the next step alone while the jobs just answered came back a few
+    ms later, and four sequences settled into two groups taking turns (half the batch a forward:
+    the pair at concurrency 4, docs/pair.md)."""
+    steps, gate = [], threading.Event()
+
+    def run(kind, payloads, stream):
+        payloads, running = list(payloads), list(range(len(payloads)))
+        while running:
+            steps.append([payloads[i] for i in running])
+            assert gate.wait(WAIT)
+            for i in running:
+                stream.deliver(i, payloads[i])
+            joined = stream.take_more(0)
+            payloads += joined
+            running = list(range(len(payloads) - len(joined), len(payloads)))
+        return payloads
+
+    coming = {"n": 1}
+    b = make_batcher(run, max_batch=8, streaming=True, gather=lambda kind, n: (coming["n"], 2.0))
+    a = b.submit("verify", "a")
+    deadline = time.monotonic() + WAIT
+    while not steps and time.monotonic() < deadline:
+        time.sleep(0.005)
+    queued = b.submit("verify", "b")  # queued during "a"'s step
+    coming["n"] = 2  # and "a" is said to come back for its next round
+    gate.set()
+    assert a.result(WAIT) == "a"
+    time.sleep(0.05)
+    again = b.submit("verify", "a2")  # back 50 ms later: it joins "b" in the next step
+    assert queued.result(WAIT) == "b" and again.result(WAIT) == "a2"
+    assert steps == [["a"], ["b", "a2"]]
+    coming["n"] = 1
+    assert b.submit("verify", "c").result(WAIT) == "c"  # nothing else said to come: no wait

@@ -308,3 +308,36 @@ def test_with_overlap_a_round_after_a_miss_skips_and_a_ready_predraft_still_draf
     assert picks[False][0] > 0  # one round at a time, drafting now pays
     assert picks[True][0] == 0  # with pre-drafts, skipping to the next round's free draft pays more
     assert picks[True][1] > 0  # a ready pre-draft is drafted on
+
+
+def test_beside_live_others_with_overlap_a_round_takes_only_what_is_drafted_already():
+    """The pair at concurrency 4 (docs/pair.md): a round that waits for a draft made now misses
+    the forward the other sequences start meanwhile, and the sequences fall out of step (the
+    target verified one or two of the four per forward). With pre-drafts (overlap) and live
+    others, a round verifies only a ready pre-draft's tokens (k <= ready; none ready: k = 0, the
+    pre-draft drafting on), and a pre-draft drafts for as long as the round's forward is expected
+    to take (its budget), not a fixed count. Alone, or without overlap, neither applies."""
+    from coordinator.roundpolicy import RoundPolicy
+    from specmesh.core.types import DraftProposal
+
+    bf16 = {"rows": [1, 2, 3, 5, 9, 17, 33], "seconds": [0.433, 0.385, 0.421, 0.473, 0.531, 0.695, 0.890],
+            "mean_batch": 1.0}
+
+    def policy(live: int, overlap: bool) -> RoundPolicy:
+        rp = RoundPolicy(k_max=8, rate_book=RateBook(), overlap=overlap)
+        rp.take_cost({**bf16, "live": live})
+        for _ in range(10):  # rates ~0.8 per position, 0.15 s per drafted token made on demand
+            rp.learn("draft_model", DraftProposal([1, 2, 3, 4, 5]), accepted=4, draft_s=5 * 0.15)
+        return rp
+
+    rp = policy(4, overlap=True)
+    assert rp.k("draft_model", 8, limit=50) == 0  # nothing drafted yet: no wait, the target's token alone
+    assert rp.k("draft_model", 8, limit=50, coming=True) == 0  # one in flight: it drafts on, unwaited
+    assert rp.k("draft_model", 8, limit=50, ready=3) == 3  # extra rows are cheap: all that is ready
+    assert rp.k("draft_model", 8, limit=2, ready=3) <= 2
+    assert rp.predraft_budget_s("draft_model", 4) == pytest.approx(rp.cost.estimate(3 + 4))
+    assert rp.predraft_budget_s("ngram", 4) is None  # drafted where the context is: no pre-draft
+    assert policy(4, overlap=False).k("draft_model", 8, limit=50) >= 2  # without pre-drafts: the shared price
+    assert policy(4, overlap=False).predraft_budget_s("draft_model", 4) is None
+    alone = policy(1, overlap=True)
+    assert alone.predraft_budget_s("draft_model", 4) is None  # alone: a pre-draft of a fixed length

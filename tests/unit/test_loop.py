@@ -71,9 +71,9 @@ class FakeDrafts:
         self.calls: list[dict] = []
         self.released: list[str] = []
 
-    def propose(self, seq_id, context, k, method, params, round_, timeout, calls=None):
+    def propose(self, seq_id, context, k, method, params, round_, timeout, calls=None, budget_s=0.0):
         self.calls.append(dict(seq_id=seq_id, context=list(context), k=k, method=method, round=round_,
-                               timeout=timeout))
+                               timeout=timeout, budget_s=budget_s))
         if self.fail(round_):
             raise self.exc
         p = len(context) - len(PROMPT)

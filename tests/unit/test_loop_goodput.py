@@ -131,7 +131,7 @@ def test_a_predraft_hits_when_the_context_extends_its_base_by_its_own_tokens():
     from coordinator.predraft import Predrafter
     from specmesh.core.types import DraftProposal
 
-    def propose(ctx, n, round_, calls):
+    def propose(ctx, n, round_, calls, budget_s):
         return DraftProposal([100 + len(ctx) + i for i in range(n)], torch.eye(8)[:n])
 
     with ThreadPoolExecutor(1) as pool:
@@ -158,7 +158,7 @@ def test_a_round_without_a_draft_keeps_a_predraft_in_flight_from_its_own_context
 
     release, calls = threading.Event(), []
 
-    def propose(ctx, n, round_, rpcs):
+    def propose(ctx, n, round_, rpcs, budget_s):
         calls.append(list(ctx))
         release.wait(5)
         return DraftProposal([100 + len(ctx) + i for i in range(n)], None)

@@ -120,3 +120,33 @@ def test_concurrent_seeded_samples_equal_each_drafted_alone(model):
         assert o.probs.shape == (len(s.token_ids), V)
         assert torch.allclose(o.probs, s.probs, atol=1e-5)
         assert int((o.probs[0] > 0).sum()) == 8  # the sparse proposal: its top 8 only
+
+
+def test_a_budgeted_proposal_stops_when_one_more_step_would_overrun(model, monkeypatch):
+    """ProposeJob.stop_at (a pre-draft beside live others, sized to the target's forward): the
+    drafter answers with what it drafted once another step would end past it, at least one token,
+    the model's own continuation as far as it goes; a job without one drafts all k."""
+    import time
+
+    real = md.batched_step
+
+    def slow(model, kvs, inputs, **kw):
+        time.sleep(0.02)
+        return real(model, kvs, inputs, **kw)
+
+    monkeypatch.setattr(md, "batched_step", slow)
+    drafter = md.ModelDrafter(model, max_batch_size=8, cache_max_sequences=8)
+    ctx = prompt(5)
+    try:
+        t0 = time.monotonic()
+        job_ = ProposeJob("a", ctx, 100, SamplingParams(), 0, stop_at=t0 + 0.3)  # all 100: 2+ s
+        short = drafter.propose(job_, timeout=60)
+        took = time.monotonic() - t0
+        late = drafter.propose(ProposeJob("b", ctx, 100, SamplingParams(), 0, stop_at=time.monotonic() - 1), timeout=60)
+        whole = drafter.propose(job("c", ctx, 12), timeout=60)
+    finally:
+        drafter.close()
+    assert 2 <= len(short.token_ids) <= 15 and took < 1.0, (len(short.token_ids), took)
+    assert short.token_ids == greedy(model, ctx, len(short.token_ids))
+    assert late.token_ids == greedy(model, ctx, 1)  # past its time already: one step, one token
+    assert whole.token_ids == greedy(model, ctx, 12)
