@@ -68,14 +68,14 @@ class Drafting:
         if self.predraft is None or self.method in self.local or self.method == "off" or draft.parents is not None:
             return
         base = context + list(draft.token_ids) + ([guess] if guess is not None else [])
-        # one token more than this round drafted (the next round's k may grow by one), or as many
-        # as the draft model drafts during this verify if more; the first of them is the guess of
-        # the target's own token when round r did not draft it
-        n = len(draft.token_ids) + 1 if guess is not None else len(draft.token_ids) + 2
         budget_s = self.rounds.predraft_budget_s(self.method, len(draft.token_ids) + 1)
         if budget_s:  # in step with live others: as many as are drafted while the target verifies
             self.predraft.start(base, self.rounds.k_max + 1, self.stats.rounds + 1, budget_s)
             return
+        # one token more than this round drafted (the next round's k may grow by one), or as many
+        # as the draft model drafts during this verify if more; the first of them is the guess of
+        # the target's own token when round r did not draft it
+        n = len(draft.token_ids) + 1 if guess is not None else len(draft.token_ids) + 2
         n = max(n, self.rounds.predraft_tokens(self.method, len(draft.token_ids) + 1) or 0)
         self.predraft.start(base, n, self.stats.rounds + 1)
 

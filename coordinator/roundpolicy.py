@@ -50,13 +50,13 @@ class RoundPolicy:
 
         if isinstance(policy, TreePolicy):
             return max(0, min(fixed_k, limit)) if policy.choose(seconds, others) else 0
-        if per_token and others >= 1 and self.overlap:
+        if self._in_step(method):
             # beside live others, in step: only what is drafted already (a pre-draft that hit), never
             # a wait. A round waiting for a draft made now misses the forward the others start
             # meanwhile and pulls its sequence out of step (each forward then holds a part of the
             # batch); a k = 0 round keeps the target's batch whole while its pre-draft drafts on.
-            return policy.choose(lambda q: self.cost.estimate(others + q), limit=min(limit, ready), others=others) \
-                if ready > 0 else 0
+            # (k <= ready: seconds(k + 1) has no wait in it)
+            return policy.choose(seconds, limit=min(limit, ready), others=others) if ready > 0 else 0
         if per_token and others >= 1 and draft_s > 0:
             # beside live others, a round waiting for its draft leaves the target to them meanwhile:
             # the wait costs this sequence its share of the forwards, not everyone's (shared_cycle_s)
@@ -83,10 +83,14 @@ class RoundPolicy:
         not a fixed length but what the draft tier drafts while the target's forward of this round
         (q positions of ours beside the others') runs: that forward's estimated seconds. None
         elsewhere (alone, the length is predraft_tokens')."""
-        if not (self.overlap and method in AUTOREGRESSIVE_DRAFTERS and self._policy(method) is not None
-                and self._others() >= 1):
+        if self._policy(method) is None or not self._in_step(method):
             return None
         return self.cost.estimate(self._others() + q)
+
+    def _in_step(self, method: str) -> bool:
+        """Rounds take only ready pre-drafts (k) and pre-drafts have a time (predraft_budget_s): a
+        draft model's, pre-drafted, beside live others. Needs a cost model (_policy)."""
+        return self.overlap and method in AUTOREGRESSIVE_DRAFTERS and self._others() >= 1
 
     def _others(self) -> float:
         return max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)

@@ -78,14 +78,13 @@ class ModelDrafter(_BatchedDrafter):
         results: list[DraftProposal | None] = [None] * len(jobs)
         for i, job in enumerate(jobs):
             self._join(running, job, i, results, stream)
-        step_s = 0.0  # the last step's seconds: a budgeted job stops when another would overrun it
         while running:
             t0 = time.monotonic()
             outs = batched_step(self.model, [d.entry.kv for d in running], [d.inputs for d in running],
                                 logits_rows=[[len(d.inputs) - 1] for d in running])
             for d, out in zip(running, outs):
                 d.advance(out.logits, self.proposal_top_k)  # out.logits: [1, V]
-            step_s = time.monotonic() - t0
+            step_s = time.monotonic() - t0  # a budgeted job stops when another step would overrun it
             for d in [d for d in running if d.finished(step_s)]:
                 running.remove(d)
                 self._answer(d, results, stream)
@@ -135,7 +134,7 @@ class _Drafting:
         self.probs.append(q[0])
         self.inputs = [token]
 
-    def finished(self, step_s: float = 0.0) -> bool:
+    def finished(self, step_s: float) -> bool:
         # a cancelled call (a pre-draft the coordinator found stale) stops here: its cache keeps
         # what was forwarded, and the draft tier is free for the round that replaces it; a budgeted
         # one (a pre-draft beside live others) when one more step of step_s would end past its time

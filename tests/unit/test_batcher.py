@@ -325,7 +325,6 @@ def test_a_streaming_batch_answers_early_takes_joiners_and_yields_to_another_kin
     assert seen["joined"] in (["c"], ["b", "c"]) and seen["others"]
 
 
-
 def test_a_streaming_batchs_next_step_gathers_the_jobs_it_just_answered(make_batcher):
     """A streaming batch takes the jobs queued during a step into its next step; with a gather it
     also waits (bounded) for those said to be coming, as a new batch does. Without that, a job
