@@ -25,10 +25,10 @@ from typing import Any
 
 import grpc
 
-from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
+from specmesh.core.types import DraftProposal, FeatureSpec, NgramBurst, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.errors import Cancelled, Unavailable
-from specmesh.rpc.convert import (cost_from_pb, feature_request_to_pb, features_from_pb, features_to_pb,
-                                  probs_to_wire, proposal_from_pb, sampling_to_pb)
+from specmesh.rpc.convert import (burst_steps_from_pb, cost_from_pb, feature_request_to_pb, features_from_pb,
+                                  features_to_pb, ngram_burst_to_pb, probs_to_wire, proposal_from_pb, sampling_to_pb)
 from specmesh.rpc.errors import raise_from_rpc
 from specmesh.rpc.server import make_channel
 from specmesh.v1 import specmesh_pb2 as pb
@@ -79,12 +79,12 @@ class GrpcTargetClient:
         return PrefillOutcome(resp.token_id, features_from_pb(resp.features), cost_from_pb(resp.verify_cost))
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
-               features: FeatureSpec | None = None, steps: int = 1) -> VerifyOutcome:
+               features: FeatureSpec | None = None, steps: int = 1, ngram: NgramBurst | None = None) -> VerifyOutcome:
         vocab = 0 if draft.probs is None else int(draft.probs.shape[1])
         dense, sparse = probs_to_wire(draft.probs)
         req = pb.VerifyRequest(seq_id=seq_id, draft_token_ids=draft.token_ids, draft_probs=dense,
                                draft_sparse_probs=sparse, vocab_size=vocab, draft_parents=draft.parents or [],
-                               decode_steps=steps if steps > 1 else 0)
+                               decode_steps=steps if steps > 1 else 0, ngram_burst=ngram_burst_to_pb(ngram))
         if features is not None:
             req.return_features.CopyFrom(feature_request_to_pb(features))
         try:
@@ -92,7 +92,7 @@ class GrpcTargetClient:
         except grpc.RpcError as err:
             self._raise(err)
         return VerifyOutcome(resp.accepted, list(resp.token_ids), resp.bonus, features_from_pb(resp.features),
-                             cost_from_pb(resp.verify_cost))
+                             cost_from_pb(resp.verify_cost), burst_steps_from_pb(resp))
 
     def release(self, seq_id: str) -> None:
         try:
@@ -151,9 +151,10 @@ class TargetLease:
                           max_new_tokens=max_new_tokens)
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float,
-               features: FeatureSpec | None = None, steps: int = 1) -> VerifyOutcome:
-        if steps > 1:  # a decode burst (no draft)
-            return self._call(self.client.verify, seq_id, draft, timeout, features, steps=steps)
+               features: FeatureSpec | None = None, steps: int = 1, ngram: NgramBurst | None = None) -> VerifyOutcome:
+        if steps > 1:  # a decode burst (a chain draft, if any, in its first step)
+            lookup = {} if ngram is None else {"ngram": ngram}
+            return self._call(self.client.verify, seq_id, draft, timeout, features, steps=steps, **lookup)
         if features is None:  # the plain call, as every TargetClient takes it
             return self._call(self.client.verify, seq_id, draft, timeout)
         return self._call(self.client.verify, seq_id, draft, timeout, features)

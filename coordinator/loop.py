@@ -37,7 +37,7 @@ from coordinator.roundpolicy import RoundPolicy
 from specmesh.core.features import FeatureFeed
 from specmesh.core.goodput import RateBook
 from specmesh.core.tree import DraftTree
-from specmesh.core.types import (DraftProposal, FeatureSpec, GenerationRequest, SamplingParams, SpecStats,
+from specmesh.core.types import (DraftProposal, FeatureSpec, GenerationRequest, NgramBurst, SamplingParams, SpecStats,
                                  VerifyOutcome)
 from specmesh.errors import Cancelled, DeadlineExceeded, NotFound, SpecmeshError, Unavailable
 from specmesh.tokenization import OutputAssembler
@@ -73,9 +73,10 @@ class Generation(Drafting):
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
                  control=None, observer=None, feature_spec: FeatureSpec | None = None,
                  rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None,
-                 decode_steps: int = 1):
+                 decode_steps: int = 1, lookup: tuple[int, int] | None = None):
         self.req, self.target, self.drafts = req, target, drafts
-        self.decode_steps = decode_steps  # AR rounds (speculation off): tokens per Verify call (a burst)
+        self.decode_steps = decode_steps  # target steps per Verify call in a burst (_burst)
+        self.lookup = lookup  # (min_n, max_n): n-gram rounds burst, the target drafting each step; None: not
         # local_drafters: {method: propose(context, k) -> tokens} run here, with no hop to the draft
         # tier (n-gram: the context is already here); other methods go to the draft tier
         self.local = dict(local_drafters or {})
@@ -156,30 +157,38 @@ class Generation(Drafting):
         self._chose_zero = k == 0
         return k
 
-    def _burst(self, draft) -> int:
-        """Tokens this round decodes: up to decode_steps for a round while speculation is off, or a
-        draft tree's round that the round policy switched off (a tree is all or nothing and stays
-        off for long stretches at load), else one. A chain's rounds without a draft stay one
-        token: letting them burst measured slower for n-gram at concurrency 4-16 each time it was
-        tried (n-gram until a match, session 9; the goodput rule's k = 0 rounds, and misses under
-        load, session 10), while bursting the tree's off rounds paid (docs/bench/xeon_kernel.md)."""
-        if draft.token_ids or self.decode_steps <= 1:
-            return 1
-        if self.method != "off" and not (self._chose_zero and self.req.tree_budget > 0):
-            return 1
-        return max(1, min(self.decode_steps, self.req.max_tokens - len(self.out.token_ids)))
+    def _burst(self, draft, k: int) -> tuple[int, NgramBurst | None]:
+        """(target steps this round asks for in one Verify call, the target's prompt lookup for
+        them). n-gram drafted here with `lookup` set: decode_steps steps, the first verifying this
+        round's draft and each later one a draft the target looks up itself (up to k tokens): one
+        hop for several rounds, as HF's in-process prompt lookup pays none. Beside others, a round
+        that comes back after one step re-joins the target's batch a hop later, and the batch's next
+        step waits for it or leaves it out (one-step n-gram rounds: 0.82-0.95x AR at concurrency
+        4-16, session 17, docs/bench/round_policy.md). Otherwise up to decode_steps plain steps while
+        speculation is off or in a round the round policy chose k = 0 for (not with pre-drafts,
+        which guess the next round's context), else one."""
+        if self.decode_steps <= 1:
+            return 1, None
+        left = max(1, self.req.max_tokens - len(self.out.token_ids))
+        if self.lookup is not None and self.method == "ngram" and self.method in self.local:
+            return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left)
+        predrafting = self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
+        if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):
+            return min(self.decode_steps, left), None
+        return 1, None
 
     def _wants_features(self) -> bool:
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
 
     def _round(self) -> list[int]:
         draft_s = self.stats.draft_time_s
-        draft = self._draft(self._k_this_round())
+        k = self._k_this_round()
+        draft = self._draft(k)
         self._overlap(self.req.prompt_ids + self.out.token_ids, draft)
         t0 = time.monotonic()
         try:
-            steps = self._burst(draft)
-            burst = {"steps": steps} if steps > 1 else {}  # a plain round: the call every TargetClient takes
+            steps, lookup = self._burst(draft, k)
+            burst = {} if steps <= 1 else {"steps": steps} if lookup is None else {"steps": steps, "ngram": lookup}
             if self._wants_features():
                 outcome = self.target.verify(self.seq_id, draft, self._call_timeout(), features=self.feature_spec,
                                              **burst)
@@ -195,18 +204,29 @@ class Generation(Drafting):
         self.rounds.take_cost(outcome.cost)
         self.rounds.learn(self.method, draft, outcome.accepted,
                           None if self._predrafted else self.stats.draft_time_s - draft_s)
-        depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
-        if draft.token_ids:
-            self.stats.record(len(draft.token_ids), outcome.accepted, len(outcome.tokens), positions=depth)
-        else:  # an AR round, maybe a burst: one target step per token
-            for _ in outcome.tokens:
-                self.stats.record(0, 0, 1)
+        steps = self._record(draft, outcome)
         if self.predraft is not None:
             self._predraft_stats()
         if self.observer is not None:
-            self.observer(self.method, len(draft.token_ids), outcome.accepted, len(outcome.tokens),
+            self.observer(self.method, sum(d for d, _ in steps), sum(a for _, a in steps), len(outcome.tokens),
                           self.stats.draft_time_s - draft_s, time.monotonic() - t0)
         return outcome.tokens
+
+    def _record(self, draft: DraftProposal, outcome) -> list[tuple[int, int]]:
+        """Stats of each target step of the call (a burst: several); the steps after the first
+        that drafted (the target's prompt lookup) also teach the round policy. [(drafted, accepted)]."""
+        if outcome.steps:
+            steps = outcome.steps
+        elif draft.token_ids:  # a worker that does not report steps: the draft's, then plain ones
+            steps = [(len(draft.token_ids), outcome.accepted)] + [(0, 0)] * (len(outcome.tokens) - outcome.accepted - 1)
+        else:  # an AR round, maybe a burst: one target step per token
+            steps = [(0, 0)] * len(outcome.tokens)
+        depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
+        for i, (drafted, accepted) in enumerate(steps):
+            self.stats.record(drafted, accepted, accepted + 1, positions=depth if i == 0 else None)
+            if i and drafted:
+                self.rounds.learn(self.method, DraftProposal([0] * drafted), accepted, None)
+        return steps
 
     # ------------------------------------------------------------------ target failover
     def _call_timeout(self) -> float:

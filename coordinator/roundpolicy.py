@@ -92,6 +92,13 @@ class RoundPolicy:
         draft model's, pre-drafted, beside live others. Needs a cost model (_policy)."""
         return self.overlap and method in AUTOREGRESSIVE_DRAFTERS and self._others() >= 1
 
+    def in_force(self, method: str, k: int) -> int:
+        """This round's k without its probe (a goodput chain drafts one position further now and
+        then to keep measuring it): what the later steps of an n-gram burst draft, so that a probe
+        costs one step's row, not every step's. k itself where goodput does not choose k."""
+        policy = self.policies.get(method) if self._policy(method) is not None else None
+        return min(k, policy.k) if isinstance(policy, KPolicy) and policy.k >= 0 else k
+
     def _others(self) -> float:
         return max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
 

@@ -62,6 +62,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         ng = cfg.draft_worker.ngram  # n-gram drafts here, next to the context: no Propose hop
         self.local_drafters = ({"ngram": lambda context, k: propose_ngram(context, k, ng.min_n, ng.max_n)}
                                if cfg.coordinator.local_ngram else {})
+        self.lookup = (ng.min_n, ng.max_n) if cfg.coordinator.local_ngram and cfg.coordinator.ngram_bursts else None
 
     def _speculation_changed(self, state) -> None:
         observe.speculation_changed(state)
@@ -90,7 +91,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                           control=self.control, observer=functools.partial(observe.on_round, arm=arm),
                           feature_spec=self.feature_spec, rate_book=self.rate_book,
                           local_drafters=self.local_drafters, overlap=self.predraft_pool,
-                          decode_steps=c.decode_steps), arm
+                          decode_steps=c.decode_steps, lookup=self.lookup), arm
 
     def _final(self, gen: Generation, tel, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))

@@ -198,6 +198,10 @@ class CoordinatorConfig:
     # n-gram drafts in the coordinator, where the context is (draft_worker.ngram's sizes): no
     # Propose hop; false: the draft tier serves n-gram like the model drafters
     local_ngram: bool = True
+    # with local_ngram and decode_steps > 1: an n-gram round is a burst of decode_steps target
+    # steps, each after the first drafting by prompt lookup in the target (VerifyRequest.ngram_burst,
+    # the same sizes): one hop for several rounds; false: one hop per drafting round
+    ngram_bursts: bool = True
     # draft round r+1 while the target verifies round r, on the guess that r is accepted in full
     # (coordinator/predraft.py; remote chain drafters); opt-in until its benchmarks land
     overlap_drafting: bool = False

@@ -24,7 +24,7 @@ from specmesh.config import MAX_DRAFT_TOKENS, MAX_SEQ_ID_CHARS
 from specmesh.core.costmodel import VerifyCost
 from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout
-from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
+from specmesh.core.types import DraftProposal, FeatureSpec, NgramBurst, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.engine import attention, cpu_gemm, rowexact
 from specmesh.engine.batcher import Batcher
 from specmesh.engine.pool import new_pool
@@ -99,9 +99,12 @@ class TargetEngine(ModelThread):
             raise
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float | None = None,
-               features: FeatureSpec | None = None, steps: int = 1) -> VerifyOutcome:
-        if not 1 <= steps <= MAX_DRAFT_TOKENS or (steps > 1 and draft.token_ids):
-            raise InvalidArgument("decode_steps", f"1..{MAX_DRAFT_TOKENS}, and more than 1 only without a draft")
+               features: FeatureSpec | None = None, steps: int = 1, ngram: NgramBurst | None = None) -> VerifyOutcome:
+        """One round (steps 1) or a burst of `steps` target steps: the chain draft, if any, in the
+        first, then one-token steps, or steps drafting by prompt lookup (ngram)."""
+        if not 1 <= steps <= MAX_DRAFT_TOKENS or (steps > 1 and draft.parents is not None):
+            raise InvalidArgument("decode_steps", f"1..{MAX_DRAFT_TOKENS}, and more than 1 only for a chain or no draft")
+        _check_ngram(ngram)
         if len(draft.token_ids) > MAX_DRAFT_TOKENS:  # before the tree's [N+1, N+1] mask is built
             raise InvalidArgument("draft_token_ids", f"at most {MAX_DRAFT_TOKENS} draft tokens")
         self._check_tokens(draft.token_ids, "draft_token_ids")
@@ -115,7 +118,7 @@ class TargetEngine(ModelThread):
                 raise InvalidArgument("draft_token_ids", "round would run past the context window")
             seq.kv.ensure(seq.kv.length + 1 + len(draft.token_ids))  # Unavailable when the pool is full
             steps = min(steps, self.context_window - seq.kv.length)
-            return self._run_job("verify", VerifyJob(seq, draft, features, steps), timeout)
+            return self._run_job("verify", VerifyJob(seq, draft, features, steps, ngram), timeout)
         finally:
             seq.busy = False
             seq.last_used = time.monotonic()
@@ -262,3 +265,12 @@ class TargetEngine(ModelThread):
             coming = sum(1 for q in self._seqs.values()
                          if not q.inflight and not q.released and q.pending is not None and now - q.last_used < recent_s)
         return n + coming, self.batch_gather * self._last_verify_s
+
+
+def _check_ngram(spec: NgramBurst | None) -> None:
+    if spec is None:
+        return
+    if not (0 <= spec.k <= MAX_DRAFT_TOKENS and 1 <= spec.min_n <= spec.max_n <= MAX_DRAFT_TOKENS
+            and spec.max_tokens >= 1):
+        raise InvalidArgument("ngram_burst", f"k 0..{MAX_DRAFT_TOKENS}, 1 <= min_n <= max_n <= {MAX_DRAFT_TOKENS}, "
+                              "max_tokens >= 1")

@@ -15,7 +15,7 @@ from specmesh.engine.manifest import model_fingerprint
 from specmesh.errors import InvalidArgument, ModelIntegrityError, Unavailable
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
 from specmesh.rpc.convert import (checked_sampling_from_pb, cost_to_pb, feature_request_from_pb, features_to_pb,
-                                  proposal_from_pb)
+                                  ngram_burst_from_pb, proposal_from_pb)
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
 from specmesh.runtime import service_args, start_process
@@ -56,13 +56,15 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
         features = feature_request_from_pb(request)
         with self._slot(context):
             out = self.engine.verify(request.seq_id, draft, timeout=context.time_remaining(), features=features,
-                                     steps=max(1, request.decode_steps))
+                                     steps=max(1, request.decode_steps), ngram=ngram_burst_from_pb(request))
         set_attributes({"specmesh.seq_id": request.seq_id, "specmesh.drafted_tokens": len(draft.token_ids),
                         "specmesh.accepted_tokens": out.accepted, "specmesh.bonus": out.bonus})
         return pb.VerifyResponse(accepted=out.accepted, token_ids=out.tokens, bonus=out.bonus,
                                  cache_length=self.engine.cache_length(request.seq_id),
                                  features=features_to_pb(out.features),
-                                 verify_cost=cost_to_pb(self._cost()))
+                                 verify_cost=cost_to_pb(self._cost()),
+                                 step_drafted=[d for d, _ in out.steps or ()],
+                                 step_accepted=[a for _, a in out.steps or ()])
 
     def _cost(self) -> dict:
         """The verify cost model as sent: the table, the mean batch and the live sequences now."""

@@ -16,9 +16,10 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.core.costmodel import ROWS as COST_ROWS
+from specmesh.core.ngram import propose_ngram
 from specmesh.core.rejection import verify as verify_round
 from specmesh.core.tree import tree_layout, verify_tree
-from specmesh.core.types import DraftProposal, FeatureSpec, PrefillOutcome, SamplingParams, VerifyOutcome
+from specmesh.core.types import DraftProposal, FeatureSpec, NgramBurst, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.engine.kv import StepOutput, batched_step
 from specmesh.engine.pool import SequenceKV
 from specmesh.errors import Unavailable
@@ -31,6 +32,7 @@ class Sequence:
     params: SamplingParams
     generator: torch.Generator
     pending: int | None = None  # last emitted token, not yet in the cache
+    tokens: list[int] = field(default_factory=list)  # prompt + emitted (pending last): prompt lookup
     last_used: float = field(default_factory=time.monotonic)
     busy: bool = False  # a caller holds the sequence for a prefill/verify
     inflight: bool = False  # its job is with the model thread (queued or running)
@@ -49,7 +51,10 @@ class VerifyJob:
     seq: Sequence
     draft: DraftProposal
     features: FeatureSpec | None = None
-    steps: int = 1  # with no draft: one-token steps back to back (VerifyRequest.decode_steps)
+    # steps > 1: a burst (VerifyRequest.decode_steps): the chain draft, if any, verified in the first
+    # step, then one-token steps back to back, or with ngram steps that draft by prompt lookup
+    steps: int = 1
+    ngram: NgramBurst | None = None
 
 
 class ModelThread:
@@ -108,6 +113,7 @@ class ModelThread:
             seq.kv.commit(len(job.prompt))
             first = verify_round(out.logits, DraftProposal([]), seq.params, seq.generator).tokens[0]
             seq.pending, seq.busy, seq.last_used = first, False, time.monotonic()
+            seq.tokens = list(job.prompt) + [first]
             rows = None
             if job.features is not None:  # the last max_rows prompt positions
                 n = len(job.prompt)
@@ -128,11 +134,16 @@ class ModelThread:
             self.last_batch_sizes = (self.last_batch_sizes + [len(running)])[-256:]  # sequences per forward
             outs = self._verify_step([jobs[i] for i in running], _hidden([jobs[i] for i in running]))
             for i, out in zip(running, outs):
-                results[i], taken[i] = _joined(results[i], out), taken[i] + 1
+                results[i], taken[i] = _joined(results[i], out, len(jobs[i].draft.token_ids)), taken[i] + 1
             if stream is None:  # not streaming: the first step's answer for every job
                 break
             for i in running:
-                if taken[i] >= jobs[i].steps or not self._room_for_one(jobs[i].seq):
+                spec = jobs[i].ngram
+                done = taken[i] >= jobs[i].steps or (spec is not None and len(results[i].tokens) >= spec.max_tokens)
+                if not done:  # the burst's next step: a prompt-lookup draft, or none
+                    jobs[i] = dataclasses.replace(jobs[i], draft=self._next_draft(jobs[i], len(results[i].tokens)))
+                    done = not self._room_for(jobs[i].seq, 1 + len(jobs[i].draft.token_ids))
+                if done:
                     self._job_done(jobs[i].seq)
                     stream.deliver(i, results[i])
             if stream.others_waiting():
@@ -145,10 +156,23 @@ class ModelThread:
             running = left + list(range(len(jobs) - len(joined), len(jobs)))
         return results
 
+    def _next_draft(self, job: VerifyJob, emitted: int) -> DraftProposal:
+        """A burst's next step's draft: with job.ngram, up to k tokens by prompt lookup over the
+        sequence's tokens, within the burst's max_tokens and the context window; else none. A
+        draft the pool has no room for is dropped."""
+        spec, seq = job.ngram, job.seq
+        if spec is None or spec.k <= 0:
+            return NO_DRAFT
+        k = min(spec.k, spec.max_tokens - emitted - 1, self.context_window - seq.kv.length - 2)
+        toks = propose_ngram(seq.tokens, k, spec.min_n, spec.max_n) if k > 0 else []
+        if not toks or not self._room_for(seq, 1 + len(toks)):
+            return NO_DRAFT
+        return DraftProposal(toks)
+
     @staticmethod
-    def _room_for_one(seq: Sequence) -> bool:
+    def _room_for(seq: Sequence, rows: int) -> bool:
         try:
-            seq.kv.ensure(seq.kv.length + 1)
+            seq.kv.ensure(seq.kv.length + rows)
             return True
         except Unavailable:  # the pool is full: the burst ends early, the caller asks again
             return False
@@ -175,9 +199,13 @@ class ModelThread:
             else:
                 seq.kv.commit(0, keep=keep)  # the accepted root path moved down (at most k slots)
             seq.pending = outcome.tokens[-1]
+            seq.tokens += outcome.tokens
             feats = _features(out, hidden, job.features, keep)
             results.append(outcome if feats is None else dataclasses.replace(outcome, features=feats))
         return results
+
+
+NO_DRAFT = DraftProposal([])
 
 
 def _hidden(jobs: list) -> tuple[int, ...]:
@@ -185,12 +213,13 @@ def _hidden(jobs: list) -> tuple[int, ...]:
     return tuple(sorted({layer + 1 for j in jobs if j.features for layer in j.features.layers}))
 
 
-def _joined(first: VerifyOutcome | None, more: VerifyOutcome) -> VerifyOutcome:
-    """A burst's outcome so far followed by its next step's."""
+def _joined(first: VerifyOutcome | None, more: VerifyOutcome, drafted: int) -> VerifyOutcome:
+    """A burst's outcome so far followed by its next step's, which verified `drafted` tokens."""
+    step = [(drafted, more.accepted)]
     if first is None:
-        return more
+        return dataclasses.replace(more, steps=step)
     feats = None if more.features is None else torch.cat([first.features, more.features])
-    return dataclasses.replace(first, tokens=first.tokens + more.tokens, features=feats)
+    return dataclasses.replace(first, tokens=first.tokens + more.tokens, features=feats, steps=first.steps + step)
 
 
 def _features(out: StepOutput, hidden: tuple[int, ...], spec: FeatureSpec | None,

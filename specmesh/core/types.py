@@ -64,10 +64,25 @@ class VerifyOutcome:
     # ([pending, accepted drafts...]), when the round asked for them (FeatureSpec)
     features: torch.Tensor | None = None
     cost: dict | None = None  # the target's verify cost model (core/costmodel.VerifyCost.as_dict)
+    # a burst (several target steps in one call): (drafted, accepted) of each step, the first
+    # step's draft first; None: one step (accepted / bonus above are the first step's)
+    steps: list[tuple[int, int]] | None = None
 
     @property
     def recovered(self) -> bool:
         return not self.bonus
+
+
+@dataclass(frozen=True)
+class NgramBurst:
+    """A burst's prompt lookup in the target (VerifyRequest.ngram_burst): after its first step, each
+    step drafts up to k tokens that followed the latest earlier copy of the sequence's last
+    min_n..max_n tokens (core/ngram.py), verified in that step; the burst emits at most max_tokens."""
+
+    k: int
+    min_n: int
+    max_n: int
+    max_tokens: int
 
 
 @dataclass(frozen=True)

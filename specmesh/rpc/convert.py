@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specmesh.core.types import DraftProposal, FeatureSpec, SamplingParams, SpecStats
+from specmesh.core.types import DraftProposal, FeatureSpec, NgramBurst, SamplingParams, SpecStats
 from specmesh.errors import InvalidArgument
 from specmesh.v1 import specmesh_pb2 as pb
 
@@ -182,3 +182,24 @@ def cost_from_pb(msg: pb.VerifyCostTable) -> dict | None:
         return None
     return {"rows": list(msg.rows), "seconds": list(msg.seconds), "mean_batch": msg.mean_batch or 1.0,
             "live": msg.live}
+
+
+def ngram_burst_to_pb(spec: NgramBurst | None) -> pb.NgramBurst | None:
+    if spec is None:
+        return None
+    return pb.NgramBurst(k=spec.k, min_n=spec.min_n, max_n=spec.max_n, max_tokens=spec.max_tokens)
+
+
+def ngram_burst_from_pb(request) -> NgramBurst | None:
+    """VerifyRequest.ngram_burst, or None when not set (the engine checks the values)."""
+    if not request.HasField("ngram_burst"):
+        return None
+    m = request.ngram_burst
+    return NgramBurst(m.k, m.min_n, m.max_n, m.max_tokens)
+
+
+def burst_steps_from_pb(resp) -> list[tuple[int, int]] | None:
+    """VerifyResponse.step_drafted / step_accepted as [(drafted, accepted)] (None: not sent)."""
+    if len(resp.step_drafted) != len(resp.step_accepted) or not resp.step_drafted:
+        return None
+    return list(zip(resp.step_drafted, resp.step_accepted))

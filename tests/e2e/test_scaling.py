@@ -50,6 +50,9 @@ def _request(prompt: str) -> pb.GenerateRequest:
     req = pb.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS)
     req.sampling.temperature = 0.0
     req.speculation.method = "ngram"
+    # a fixed k: every round drafts on the draft tier, whose scaling this tests (goodput's k = 0
+    # rounds burst at load and would leave 16-token requests only the odd probe)
+    req.speculation.num_speculative_tokens = 4
     return req
 
 

@@ -81,6 +81,26 @@ def test_verify_accepts_a_correct_draft_and_recovers_a_wrong_one(worker, prompt_
     assert (out.accepted, list(out.token_ids)) == (2, ar[3:6])
 
 
+def test_a_burst_with_prompt_lookup_over_grpc(worker, prompt_ids):
+    """decode_steps with ngram_burst: the target drafts each later step by prompt lookup; the
+    reply lists every step's drafted / accepted, the tokens are greedy AR's, max_tokens holds, and
+    bad lookup sizes are INVALID_ARGUMENT."""
+    stub = worker.target_stub
+    prompt = prompt_ids * 3  # repeated: the lookups find the continuation
+    ar = _greedy_ar(stub, "ar", prompt, steps=12)
+    assert _prefill(stub, "b", prompt) == ar[0]
+    got, drafted = [], 0
+    while len(got) < 12:
+        out = stub.Verify(pb.VerifyRequest(seq_id="b", decode_steps=6, ngram_burst=pb.NgramBurst(
+            k=4, min_n=1, max_n=4, max_tokens=12 - len(got))), timeout=120)
+        steps = list(zip(out.step_drafted, out.step_accepted))
+        assert 1 <= len(steps) <= 6 and sum(a + 1 for _, a in steps) == len(out.token_ids)
+        got, drafted = got + list(out.token_ids), drafted + sum(d for d, _ in steps)
+    assert got == ar[1:13] and drafted > 0
+    bad = pb.VerifyRequest(seq_id="b", decode_steps=2, ngram_burst=pb.NgramBurst(k=4, min_n=0, max_n=4, max_tokens=4))
+    assert _code(lambda: stub.Verify(bad, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
+
+
 def test_status_tracks_sequences_and_kv_bytes(worker, prompt_ids, target_model):
     stub, engine = worker.target_stub, worker.engine
     cfg = target_model.config

@@ -1,7 +1,7 @@
 """Decode bursts (VerifyRequest.decode_steps): an AR round that asks for n tokens gets the same
 tokens as n rounds of one, batched with the other bursts step by step; a full KV pool ends a burst
-early, never fails it; a burst brings every step's features; a burst beside a draft or past the
-limit is refused."""
+early, never fails it; a burst brings every step's features; a chain draft is verified in a
+burst's first step; a burst beside a draft tree or past the limit is refused."""
 
 from __future__ import annotations
 
@@ -74,11 +74,55 @@ def test_a_full_pool_ends_a_burst_early(target_model):
         engine.close()
 
 
-def test_bursts_are_refused_with_a_draft_or_past_the_limit(target_model):
+def test_a_chain_draft_is_verified_in_the_first_step_of_a_burst(target_model):
+    """steps with a chain draft: the first step verifies it (accepted + 1 tokens), then one-token
+    steps; the tokens are those of the same rounds one call each."""
+    expected = _one_by_one(target_model, 12)[0]  # [first, t1, t2, ...]
+    engine = _engine(target_model)
+    try:
+        assert engine.prefill("a", PROMPTS[0], GREEDY) == expected[0]
+        right = engine.verify("a", DraftProposal(expected[1:3]), steps=4)  # both drafts right
+        assert right.accepted == 2 and right.bonus and right.tokens == expected[1:7]  # 3 + 3 steps
+        wrong = engine.verify("a", DraftProposal([expected[7], (expected[8] + 1) % 100]), steps=3)
+        assert wrong.accepted == 1 and not wrong.bonus and wrong.tokens == expected[7:11]  # 2 + 2 steps
+        assert engine.cache_length("a") == len(PROMPTS[0]) + 10
+    finally:
+        engine.close()
+
+
+def test_a_burst_drafts_by_prompt_lookup_and_emits_what_single_steps_do(target_model):
+    """VerifyRequest.ngram_burst: after the first step each step drafts by prompt lookup over the
+    sequence's own tokens and verifies it; the tokens are the one-step rounds' (greedy), the steps
+    are reported, and the burst stops at max_tokens."""
+    from specmesh.core.types import NgramBurst
+
+    prompt = list(range(300, 320)) * 3  # a pattern the model continues: lookups find it
+    engine = _engine(target_model)
+    try:
+        expected = [engine.prefill("ref", prompt, GREEDY)]
+        for _ in range(24):
+            expected += engine.verify("ref", DraftProposal([])).tokens
+        assert engine.prefill("a", prompt, GREEDY) == expected[0]
+        got, steps = [], []
+        while len(got) < 20:
+            out = engine.verify("a", DraftProposal([]), steps=4, ngram=NgramBurst(4, 1, 4, max_tokens=20 - len(got)))
+            assert len(out.steps) <= 4 and sum(a + 1 for _, a in out.steps) == len(out.tokens)
+            got, steps = got + out.tokens, steps + out.steps
+        assert expected[1:21] == got  # exactly max_tokens, the target's own tokens
+        assert sum(a for _, a in steps) >= 5 and len(steps) < 20  # the lookups drafted and were accepted
+        assert engine.cache_length("a") == len(prompt) + 20
+        with pytest.raises(InvalidArgument, match="ngram_burst"):
+            engine.verify("a", DraftProposal([]), steps=2, ngram=NgramBurst(4, 3, 2, max_tokens=8))
+    finally:
+        engine.close()
+
+
+def test_bursts_are_refused_with_a_tree_or_past_the_limit(target_model):
     engine = _engine(target_model)
     try:
         engine.prefill("a", PROMPTS[0], GREEDY)
-        for draft, steps in ((DraftProposal([5, 6]), 2), (DraftProposal([]), 65), (DraftProposal([]), 0)):
+        for draft, steps in ((DraftProposal([5, 6], parents=[-1, -1]), 2), (DraftProposal([]), 65),
+                             (DraftProposal([]), 0)):
             with pytest.raises(InvalidArgument, match="decode_steps"):
                 engine.verify("a", draft, steps=steps)
     finally:

@@ -341,3 +341,16 @@ def test_beside_live_others_with_overlap_a_round_takes_only_what_is_drafted_alre
     assert policy(4, overlap=False).predraft_budget_s("draft_model", 4) is None
     alone = policy(1, overlap=True)
     assert alone.predraft_budget_s("draft_model", 4) is None  # alone: a pre-draft of a fixed length
+
+
+def test_in_force_is_the_chosen_k_without_its_probe():
+    """A goodput chain's probe drafts one position more than the k in force; in_force (what an
+    n-gram burst's later steps draft) leaves the probe out. Without goodput it is k itself."""
+    from coordinator.roundpolicy import RoundPolicy
+
+    rp = RoundPolicy(k_max=4, rate_book=RateBook())
+    rp.take_cost({"rows": [1, 2, 5], "seconds": [1.0, 2.0, 5.0], "mean_batch": 1.0})  # a row costs a step
+    ks = [rp.k("ngram", 4, limit=50) for _ in range(16)]
+    assert set(ks) == {0, 1} and ks.count(1) == 2  # k = 0 in force, every 8th round probes k = 1
+    assert all(rp.in_force("ngram", k) == 0 for k in ks)
+    assert RoundPolicy(k_max=0).in_force("ngram", 3) == 3  # fixed k

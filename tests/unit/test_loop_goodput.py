@@ -6,8 +6,8 @@ from __future__ import annotations
 import dataclasses
 
 from specmesh.core.goodput import RateBook
-from specmesh.core.types import PrefillOutcome, VerifyOutcome
-from tests.unit.test_loop import SCRIPT, FakeDrafts, FakeTarget, FakeTokenizer, request
+from specmesh.core.types import DraftProposal, PrefillOutcome, VerifyOutcome
+from tests.unit.test_loop import PROMPT, SCRIPT, FakeDrafts, FakeTarget, FakeTokenizer, request
 
 from coordinator.loop import Generation
 
@@ -206,25 +206,29 @@ def test_rounds_without_drafts_predraft_and_a_draft_made_during_the_verify_is_us
 
 
 class CostedBurstTarget(CostedTarget):
-    """CostedTarget that decodes `steps` tokens of its script per call without a draft."""
+    """CostedTarget that decodes `steps` steps of its script per call: a chain draft, if any, in
+    the first, then one token a step. live: the sequences it says it holds (others beside ours)."""
 
-    def __init__(self, table, **kw):
+    def __init__(self, table, live: int = 0, **kw):
         super().__init__(table, **kw)
+        self.live = live
         self.steps: list[tuple[int, int]] = []  # (draft length, steps) per call
+
+    def _cost(self):
+        return {**super()._cost(), "live": self.live}
 
     def verify(self, seq_id, draft, timeout, steps=1):
         self.steps.append((len(draft.token_ids), steps))
-        assert steps == 1 or not draft.token_ids
         out = super().verify(seq_id, draft, timeout)
         for _ in range(steps - 1):
-            out = dataclasses.replace(out, tokens=out.tokens + super().verify(seq_id, draft, timeout).tokens)
+            more = super().verify(seq_id, DraftProposal([]), timeout)
+            out = dataclasses.replace(out, tokens=out.tokens + more.tokens)
         return out
 
 
-def test_a_tree_the_policy_switched_off_decodes_in_bursts_and_a_chain_does_not():
-    """k = 0 by the goodput rule: a tree's round (all or nothing, off for long stretches) asks for
-    decode_steps tokens as AR does; a chain's k = 0 round stays one step (measured slower for
-    n-gram when it burst); a drafted round is always one step."""
+def test_rounds_the_policy_switched_off_decode_in_bursts_trees_and_chains():
+    """k = 0 by the goodput rule: a tree's round (all or nothing) and a chain's ask for
+    decode_steps tokens as AR does; alone, a drafted round is one step."""
     costly = {1: 1.0, 2: 1.6, 9: 5.0}
     tree, chain = CostedBurstTarget(costly), CostedBurstTarget(costly)
     for target, budget in ((tree, 8), (chain, 0)):
@@ -232,6 +236,45 @@ def test_a_tree_the_policy_switched_off_decodes_in_bursts_and_a_chain_does_not()
         gen = Generation(req, target, FakeDrafts(wrong_after=0), FakeTokenizer(), {99}, 5.0, decode_steps=4)
         assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:60]
         assert all(s == 1 for n, s in target.steps if n > 0)  # the probes' drafts: one step
-    bursts = [s for n, s in tree.steps if n == 0 and s > 1]
-    assert bursts and sum(bursts) >= 0.6 * 59  # most of the tree request's tokens came in bursts
-    assert {s for _, s in chain.steps} == {1}
+        bursts = [s for n, s in target.steps if n == 0 and s > 1]
+        assert bursts and sum(bursts) >= 0.6 * 59  # most of the request's tokens came in bursts
+
+
+class LookupTarget(CostedBurstTarget):
+    """CostedBurstTarget that drafts each burst step after the first by prompt lookup over the
+    sequence's tokens, as a target worker does with VerifyRequest.ngram_burst."""
+
+    def __init__(self, table, **kw):
+        super().__init__(table, **kw)
+        self.lookups: list = []
+
+    def verify(self, seq_id, draft, timeout, steps=1, ngram=None):
+        from specmesh.core.ngram import propose_ngram
+
+        self.steps.append((len(draft.token_ids), steps))
+        self.lookups.append(ngram)
+        out = CostedTarget.verify(self, seq_id, draft, timeout)
+        done = [(len(draft.token_ids), out.accepted)]
+        while len(done) < steps and (ngram is None or len(out.tokens) < ngram.max_tokens):
+            context = PROMPT + SCRIPT[:self.emitted[seq_id]]
+            k = 0 if ngram is None else min(ngram.k, ngram.max_tokens - len(out.tokens) - 1)
+            more = CostedTarget.verify(self, seq_id, DraftProposal(
+                propose_ngram(context, k, ngram.min_n, ngram.max_n) if k > 0 else []), timeout)
+            done.append((len(self.verifies[-1][1]), more.accepted))
+            out = dataclasses.replace(out, tokens=out.tokens + more.tokens)
+        return dataclasses.replace(out, steps=done)
+
+
+def test_ngram_rounds_burst_with_the_targets_prompt_lookup():
+    """With lookup set, an n-gram round asks for decode_steps steps with the round's k for the
+    target's lookups and at most the tokens left; the output is the target's, the stats count
+    every step's drafts, and far fewer calls than tokens are made."""
+    target = LookupTarget({1: 1.0, 2: 1.0, 9: 1.05})
+    req = dataclasses.replace(request(max_tokens=60, k=4, method="ngram"), k_max=4)
+    gen = Generation(req, target, None, FakeTokenizer(), {99}, 5.0, decode_steps=4, lookup=(1, 3),
+                     local_drafters={"ngram": lambda context, k: []})  # only the target's lookups draft
+    assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:60]
+    assert all(s == 4 for _, s in target.steps) and all(g.min_n == 1 and g.max_n == 3 for g in target.lookups)
+    assert max(g.max_tokens for g in target.lookups) == 59 and len(target.steps) < 59 / 4
+    drafted = sum(len(d) for _, d, _ in target.verifies)
+    assert drafted > 20 and gen.stats.drafted_tokens == drafted and gen.stats.emitted_tokens == 59
