@@ -207,9 +207,11 @@ class Generation(Drafting):
         steps = self._record(draft, outcome)
         if self.predraft is not None:
             self._predraft_stats()
-        if self.observer is not None:
-            self.observer(self.method, sum(d for d, _ in steps), sum(a for _, a in steps), len(outcome.tokens),
-                          self.stats.draft_time_s - draft_s, time.monotonic() - t0)
+        if self.observer is not None:  # per target step (a burst: each its share of the call's time)
+            took = (time.monotonic() - t0) / len(steps)
+            for i, (drafted, accepted) in enumerate(steps):
+                self.observer(self.method, drafted, accepted, accepted + 1,
+                              self.stats.draft_time_s - draft_s if i == 0 else 0.0, took)
         return outcome.tokens
 
     def _record(self, draft: DraftProposal, outcome) -> list[tuple[int, int]]:

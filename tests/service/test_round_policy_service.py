@@ -38,7 +38,8 @@ def test_local_ngram_with_goodput_k_needs_no_draft_tier_and_is_the_target_alone(
     for prompt, ref, out in zip(PROMPTS, refs, outs):
         assert list(out.token_ids) == list(ref.token_ids), prompt
         assert out.spec.method == "ngram" and out.spec.draft_failures == 0
-        assert sum(out.spec.chosen_k.values()) == out.spec.rounds  # k chosen every round
+        # k chosen every Verify call; n-gram calls are bursts of several target steps (spec.rounds)
+        assert 1 <= sum(out.spec.chosen_k.values()) < out.spec.rounds
     assert sum(o.spec.drafted_tokens for o in outs) > 0  # drafted in the coordinator, no Propose hop
     assert sum(o.spec.accepted_tokens for o in outs) > 0
     # the repeating prompt: its drafts come from its own context and are mostly accepted. How many

@@ -85,6 +85,9 @@ class Mesh:
         req = pb.GenerateRequest(prompt=prompt, max_tokens=MAX_TOKENS)
         req.sampling.temperature = 0.0
         req.speculation.method = "ngram"
+        # a fixed k: rounds draft on the draft tier this tests (goodput's k = 0 rounds would burst
+        # and leave short requests only the odd probe)
+        req.speculation.num_speculative_tokens = 4
         if not stream:
             return list(self.stub.Generate(req, timeout=300).token_ids)
         return self.stub.GenerateStream(req, timeout=300)
