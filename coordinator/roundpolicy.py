@@ -96,7 +96,7 @@ class RoundPolicy:
         """This round's k without its probe (a goodput chain drafts one position further now and
         then to keep measuring it): what the later steps of an n-gram burst draft, so that a probe
         costs one step's row, not every step's. k itself where goodput does not choose k."""
-        policy = self.policies.get(method) if self._policy(method) is not None else None
+        policy = self._policy(method)
         return min(k, policy.k) if isinstance(policy, KPolicy) and policy.k >= 0 else k
 
     def _others(self) -> float:

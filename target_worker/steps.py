@@ -142,7 +142,7 @@ class ModelThread:
                 done = taken[i] >= jobs[i].steps or (spec is not None and len(results[i].tokens) >= spec.max_tokens)
                 if not done:  # the burst's next step: a prompt-lookup draft, or none
                     jobs[i] = dataclasses.replace(jobs[i], draft=self._next_draft(jobs[i], len(results[i].tokens)))
-                    done = not self._room_for(jobs[i].seq, 1 + len(jobs[i].draft.token_ids))
+                    done = not jobs[i].draft.token_ids and not self._room_for(jobs[i].seq, 1)  # a draft has its room
                 if done:
                     self._job_done(jobs[i].seq)
                     stream.deliver(i, results[i])
