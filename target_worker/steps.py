@@ -125,7 +125,7 @@ class ModelThread:
         """Step by step: every running job's next position(s) in one forward. A job is answered as
         soon as its own steps are done (a round: one step; a decode burst: up to its steps), and
         verify jobs that arrive meanwhile join the next step, so a burst neither holds a round
-        back nor is cut short by one. A prefill waiting ends the bursts (their callers ask again).
+        back nor is cut short by one. A prefill waiting runs between two steps.
         jobs grows by the joiners; the result list matches it."""
         results: list[VerifyOutcome | None] = [None] * len(jobs)
         taken = [0] * len(jobs)
@@ -146,8 +146,9 @@ class ModelThread:
                 if done:
                     self._job_done(jobs[i].seq)
                     stream.deliver(i, results[i])
-            if stream.others_waiting():
+            if stream.closing():
                 break
+            stream.run_others()  # a prefill waiting runs between two steps; the bursts go on
             left = [i for i in running if not stream.delivered(i)]
             joined = stream.take_more(len(left))  # they run at least one step
             jobs.extend(joined)

@@ -12,8 +12,8 @@ rest for another whole forward. gather(kind, n) -> (jobs expected in all, longes
 
 Optionally (`streaming`) a batch runs step by step: run_batch(kind, payloads, stream) may answer a
 job as soon as its own steps are done (stream.deliver) and take jobs of its kind queued meanwhile
-into its next step (stream.take_more), as vLLM's scheduler does per iteration; a job of another
-kind waiting (stream.others_waiting) tells it to finish.
+into its next step (stream.take_more), as vLLM's scheduler does per iteration; jobs of another
+kind waiting (stream.others_waiting) run between two of its steps (stream.run_others).
 """
 
 from __future__ import annotations
@@ -59,7 +59,9 @@ class Stream:
         for the jobs it says are coming, as a new batch does: else the jobs queued during a step
         start the next one alone while those just answered come back a few ms later, and the
         sequences settle into groups that alternate forwards (half the batch per forward)."""
-        b, kind, new = self._batcher, self.jobs[0].kind, []
+        b, kind = self._batcher, self.jobs[0].kind
+        new = [j for j in b._held if j.kind == kind][: max(0, b._max_batch - running)]  # first come
+        b._held = [j for j in b._held if all(j is not n for n in new)]
         while len(new) < b._max_batch - running:
             try:
                 job = b._queue.get_nowait()
@@ -73,8 +75,27 @@ class Stream:
         return [job.payload for job in live]
 
     def others_waiting(self) -> bool:
-        """A job of another kind waits, or the batcher is closing: finish the batch now."""
+        """A job of another kind waits, or the batcher is closing."""
         return bool(self._batcher._held) or self._batcher._stop.is_set()
+
+    def closing(self) -> bool:
+        """The batcher is closing: finish the batch now."""
+        return self._batcher._stop.is_set()
+
+    def run_others(self) -> None:
+        """Run the jobs of another kind waiting (a prefill beside running decode bursts) now, as
+        batches of their own between two steps of this one, which then goes on: its jobs keep
+        their places, as vLLM's scheduler keeps running sequences while a new one prefills."""
+        b, mine = self._batcher, self.jobs[0].kind
+        while not b._stop.is_set():
+            kind = next((j.kind for j in b._held if j.kind != mine), None)
+            if kind is None:
+                return
+            batch = [j for j in b._held if j.kind == kind][: b._max_batch]
+            b._held = [j for j in b._held if all(j is not x for x in batch)]
+            live = [j for j in batch if j.future.set_running_or_notify_cancel()]
+            if live:
+                b._run(live)
 
 
 def _settle(future: Future, result: Any) -> None:

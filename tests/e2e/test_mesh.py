@@ -315,7 +315,8 @@ def test_draft_worker_killed_mid_batch(up_mesh, gateway, e2e):
 
     def run(prompt):
         chunks = []
-        for chunk in stub.GenerateStream(request(prompt, max_tokens=KILL_MAX_TOKENS, method="ngram",
+        # k fixed: every round asks the draft tier (goodput may choose k = 0 rounds, which do not)
+        for chunk in stub.GenerateStream(request(prompt, max_tokens=KILL_MAX_TOKENS, method="ngram", k=4,
                                                  temperature=0.0), timeout=300):
             chunks.append(chunk)
             if len(chunks) == 1:
@@ -351,7 +352,7 @@ def test_draft_worker_killed_mid_batch(up_mesh, gateway, e2e):
     assert sum(c[-1].spec.draft_failures for c in results) > 0
 
     # later requests: still served, by the target alone, identical output, failures counted
-    later = stub.Generate(request(KILL_PROMPTS[0], max_tokens=KILL_MAX_TOKENS, method="ngram",
+    later = stub.Generate(request(KILL_PROMPTS[0], max_tokens=KILL_MAX_TOKENS, method="ngram", k=4,
                                   temperature=0.0), timeout=300)
     assert list(later.token_ids) == list(refs[0].token_ids)
     assert later.text == refs[0].text

@@ -361,3 +361,57 @@ def test_a_streaming_batchs_next_step_gathers_the_jobs_it_just_answered(make_bat
     assert steps == [["a"], ["b", "a2"]]
     coming["n"] = 1
     assert b.submit("verify", "c").result(WAIT) == "c"  # nothing else said to come: no wait
+
+
+def test_a_streaming_batch_runs_a_waiting_prefill_between_its_steps_and_goes_on(make_batcher):
+    """run_others: a job of another kind queued during a step (a new request's prefill) runs as its
+    own batch between two steps; the running jobs keep their places and finish their steps (they
+    used to be answered early and asked again). Same-kind jobs held over max_batch join first."""
+    order, gate = [], threading.Event()
+
+    def run(kind, payloads, stream):
+        if kind != "verify":
+            order.append((kind, list(payloads)))
+            return [f"{kind}:{p}" for p in payloads]
+        for step in range(3):
+            order.append(("step", step))
+            if step == 0:
+                assert gate.wait(WAIT)  # meanwhile a prefill queues up
+                assert stream.take_more(running=len(payloads)) == [] and stream.others_waiting()
+            stream.run_others()
+        assert not stream.others_waiting()
+        return [f"done:{p}" for p in payloads]
+
+    b = make_batcher(run, max_batch=8, streaming=True)
+    burst = b.submit("verify", "a")
+    deadline = time.monotonic() + WAIT
+    while not order and time.monotonic() < deadline:
+        time.sleep(0.005)
+    prefill = b.submit("prefill", "p")
+    time.sleep(0.05)
+    gate.set()
+    assert prefill.result(WAIT) == "prefill:p" and burst.result(WAIT) == "done:a"
+    assert order == [("step", 0), ("prefill", ["p"]), ("step", 1), ("step", 2)]
+
+
+def test_take_more_takes_same_kind_jobs_held_over_max_batch_before_newer_ones(make_batcher):
+    gate, joined = threading.Event(), {}
+
+    def run(kind, payloads, stream):
+        assert gate.wait(WAIT)
+        if kind == "verify" and payloads == ["a"]:
+            stream.deliver(0, "a")
+            joined["first"] = stream.take_more(running=0)
+            return ["a"] + [f"late:{p}" for p in joined["first"]]
+        return list(payloads)
+
+    b = make_batcher(run, max_batch=1, streaming=True)
+    a = b.submit("verify", "a")
+    deadline = time.monotonic() + WAIT
+    while b.qsize() and time.monotonic() < deadline:
+        time.sleep(0.005)
+    later = [b.submit("verify", x) for x in "bc"]
+    b._held.append(b._queue.get_nowait())  # "b" held back as a full batch's overflow would be
+    gate.set()
+    assert a.result(WAIT) == "a" and later[0].result(WAIT) == "late:b" and later[1].result(WAIT) == "c"
+    assert joined["first"] == ["b"]

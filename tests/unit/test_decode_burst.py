@@ -184,3 +184,36 @@ def test_a_round_joins_a_running_burst_and_is_answered_after_its_own_step(target
         assert max(engine.last_batch_sizes) == 2  # the round shared a forward with the burst
     finally:
         engine.close()
+
+
+def test_a_prefill_runs_between_a_bursts_steps_and_the_burst_goes_on(target_model):
+    """A new request's prefill that arrives while a burst runs is run between two of its steps;
+    the burst keeps all its steps (it used to end early, its caller asking again) and both emit
+    what they emit alone."""
+    import threading
+
+    expected = _one_by_one(target_model, 12)
+    engine = _engine(target_model)
+    try:
+        assert engine.prefill("s0", PROMPTS[0], GREEDY) == expected[0][0]
+        started, steps, prefilled = threading.Event(), [], {}
+        orig = engine._verify_step
+
+        def step(jobs, hidden=()):
+            started.set()
+            steps.append(time.monotonic())
+            return orig(jobs, hidden)
+
+        engine._verify_step = step
+        with ThreadPoolExecutor(1) as pool:
+            fut = pool.submit(engine.verify, "s0", DraftProposal([]), None, None, 12)
+            assert started.wait(30)
+            first = engine.prefill("s1", PROMPTS[1], GREEDY)
+            prefilled["at"] = time.monotonic()
+            out = fut.result(60)
+        assert first == expected[1][0]
+        assert out.tokens == expected[0][1:13]  # all 12 steps in one call
+        assert steps[0] < prefilled["at"] < steps[-1]  # the prefill ran between the burst's steps
+        assert engine.verify("s1", DraftProposal([]), steps=4).tokens == expected[1][1:5]
+    finally:
+        engine.close()
