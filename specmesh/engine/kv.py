@@ -198,11 +198,11 @@ def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool) -> to
     return torch.cat([F.linear(hidden[i : i + step], w) for i in range(0, hidden.shape[0], step)]).float()
 
 
-def _lean_ok(model, plan: _Plan, rows: int, row_exact: bool, hidden_layers) -> bool:
+def _lean_ok(model, plan: _Plan, rows: int, row_exact: bool) -> bool:
     """Whether the step takes lean.forward (bitwise HF's modules, fewer calls): every row on the
-    row-attention kernel, no hidden states asked, and the linears on the packed kernel as HF's
-    path would run them (all rows where deterministic, else up to cpu_gemm.MAX_ROWS)."""
-    return (plan.rows is not None and all(s.kernel for s in plan.seqs) and not hidden_layers
+    row-attention kernel, and the linears on the packed kernel as HF's path would run them (all
+    rows where deterministic, else up to cpu_gemm.MAX_ROWS)."""
+    return (plan.rows is not None and all(s.kernel for s in plan.seqs)
             and (row_exact or rows <= cpu_gemm.MAX_ROWS) and lean.prepare(model))
 
 
@@ -241,12 +241,14 @@ def batched_step(
     token = _PLAN.set(plan)
     try:
         with rowexact.rows(row_exact), cpu_gemm.active():
-            if _lean_ok(model, plan, ids.shape[1], row_exact, hidden_layers):
-                out, final = None, lean.forward(model, ids[0], pos[0], plan.rows)  # [T, H]
+            if _lean_ok(model, plan, ids.shape[1], row_exact):
+                states = dict.fromkeys(hidden_layers)  # index -> [T, H], filled by the forward
+                final = lean.forward(model, ids[0], pos[0], plan.rows, states)  # [T, H]
             else:
                 out = model.model(input_ids=ids, position_ids=pos, use_cache=False,
                                   output_hidden_states=bool(hidden_layers))
                 final = out.last_hidden_state[0]  # [T, H]
+                states = {i: out.hidden_states[i][0] for i in hidden_layers}
             wanted = [list(range(len(toks))) if not logits_rows or logits_rows[b] is None else list(logits_rows[b])
                       for b, toks in enumerate(inputs)]
             rows = torch.tensor([s.offset + j for s, w in zip(plan.seqs, wanted) for j in w], dtype=torch.long)
@@ -255,8 +257,7 @@ def batched_step(
         _PLAN.reset(token)
     results, at = [], 0
     for s, w in zip(plan.seqs, wanted):
-        hidden = (tuple(out.hidden_states[i][0, s.offset : s.offset + s.n].cpu() for i in hidden_layers)
-                  if hidden_layers else None)
+        hidden = tuple(states[i][s.offset : s.offset + s.n].cpu() for i in hidden_layers) if hidden_layers else None
         results.append(StepOutput(logits[at : at + len(w)], hidden))
         at += len(w)
     return results

@@ -104,14 +104,19 @@ def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) ->
 
 @torch.inference_mode()
 def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
-            plans: list[row_attn.RowPlan]) -> torch.Tensor:
+            plans: list[row_attn.RowPlan], hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
     """ids, positions: [T] long; plans: the step's row plans, covering every row (row_attn.plan)
-    -> the final normed hidden states [T, hidden] float32."""
+    -> the final normed hidden states [T, hidden] float32. hidden: HF hidden_states indices to fill
+    ({index: None} in, [T, hidden] out): 0 the embeddings, i the output of layer i - 1, the last
+    one after the final norm, as HF's output_hidden_states gives them."""
     inner, cfg = model.model, model.config
     heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
     d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
     t = ids.shape[0]
     x = inner.embed_tokens(ids)  # [T, hidden]
+    keep = hidden if hidden is not None else {}
+    if 0 in keep:
+        keep[0] = x
     cos, sin = inner.rotary_emb(x[None], positions[None])  # [1, T, D] each
     cos, sin = cos[0][:, None], sin[0][:, None]  # [T, 1, D]
     q_end, k_end = heads * d, (heads + kv_heads) * d
@@ -127,4 +132,9 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
         gu = _linear(_rms(x, layer.post_attention_layernorm), *layer._specmesh_gate_up)  # [T, 2 I]
         inter = gu.shape[1] // 2
         x = x + _linear(mlp.act_fn(gu[:, :inter]) * gu[:, inter:], mlp.down_proj._specmesh_packed, mlp.down_proj.bias)
-    return _rms(x, inner.norm)
+        if i + 1 in keep and i + 1 < len(inner.layers):
+            keep[i + 1] = x
+    final = _rms(x, inner.norm)  # [T, hidden]
+    if len(inner.layers) in keep:
+        keep[len(inner.layers)] = final
+    return final

@@ -58,7 +58,7 @@ def test_lean_steps_are_bitwise_the_hf_module_steps(model, row_exact):
         assert torch.equal(a, b)
 
 
-def test_stacked_weights_are_views_and_a_step_with_hidden_states_takes_hf(model):
+def test_stacked_weights_are_views_and_steps_with_hidden_states_take_lean_bitwise(model):
     assert lean.prepare(model)
     layer = model.model.layers[0]
     stacked = layer._specmesh_qkv[0]
@@ -67,13 +67,18 @@ def test_stacked_weights_are_views_and_a_step_with_hidden_states_takes_hf(model)
     calls = []
     real = lean.forward
     lean.forward = lambda *a: calls.append(1) or real(*a)
+    every = tuple(range(model.config.num_hidden_layers + 1))  # embeddings, each layer, the last normed
     try:
-        kv = new_pool(model, 64).allocate(16)
-        out = batched_step(model, [kv], [[1, 2, 3]], hidden_layers=(1,))[0]
-        assert out.hidden_states is not None and not calls
-        kv.commit(3)
-        batched_step(model, [kv], [[4]])
-        assert calls == [1]
+        got = {}
+        for use_lean in (False, True):  # a block drafter's feature rounds: HF's hidden_states, bitwise
+            model._specmesh_lean = None if use_lean else False
+            kv = new_pool(model, 64).allocate(16)
+            pre = batched_step(model, [kv], [[1, 2, 3]], hidden_layers=every)[0]
+            kv.commit(3)
+            step = batched_step(model, [kv], [[4, 5]], hidden_layers=every, row_exact=True)[0]
+            got[use_lean] = list(pre.hidden_states) + list(step.hidden_states) + [pre.logits, step.logits]
+        assert len(calls) == 2  # the lean forward took both steps, features and all
+        assert all(torch.equal(a, b) for a, b in zip(got[False], got[True]))
     finally:
         lean.forward = real
 
