@@ -60,8 +60,7 @@ class Stream:
         start the next one alone while those just answered come back a few ms later, and the
         sequences settle into groups that alternate forwards (half the batch per forward)."""
         b, kind = self._batcher, self.jobs[0].kind
-        new = [j for j in b._held if j.kind == kind][: max(0, b._max_batch - running)]  # first come
-        b._held = [j for j in b._held if all(j is not n for n in new)]
+        new = b._take_held(kind, b._max_batch - running)  # first come
         while len(new) < b._max_batch - running:
             try:
                 job = b._queue.get_nowait()
@@ -91,8 +90,7 @@ class Stream:
             kind = next((j.kind for j in b._held if j.kind != mine), None)
             if kind is None:
                 return
-            batch = [j for j in b._held if j.kind == kind][: b._max_batch]
-            b._held = [j for j in b._held if all(j is not x for x in batch)]
+            batch = b._take_held(kind, b._max_batch)
             live = [j for j in batch if j.future.set_running_or_notify_cancel()]
             if live:
                 b._run(live)
@@ -154,11 +152,16 @@ class Batcher:
             if job.future.set_running_or_notify_cancel():
                 job.future.set_exception(Unavailable("worker is shutting down"))
 
+    def _take_held(self, kind: str, n: int) -> list[Job]:
+        """Up to n held jobs of `kind`, oldest first, no longer held."""
+        taken = [j for j in self._held if j.kind == kind][: max(0, n)]
+        self._held = [j for j in self._held if all(j is not t for t in taken)]
+        return taken
+
     def _next_batch(self) -> list[Job]:
         first = self._held.pop(0) if self._held else self._queue.get(timeout=0.1)
-        batch, rest = [first], []
-        for job in self._held:
-            (batch if job.kind == first.kind and len(batch) < self._max_batch else rest).append(job)
+        batch = [first] + self._take_held(first.kind, self._max_batch - 1)
+        rest = self._held  # the other held jobs, and those of other kinds queued below
         while len(batch) < self._max_batch:
             try:
                 job = self._queue.get_nowait()
