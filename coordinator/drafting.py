@@ -86,7 +86,7 @@ class Drafting:
         for complete in (False, True):
             rows, full = self.feed.outgoing(complete)
             draft = self.drafts.propose(self.seq_id, context, k, self.method, self.req.params, self.stats.rounds,
-                                        timeout, features=(rows, full), tree_budget=self.req.tree_budget)
+                                        timeout, features=(rows, full), tree_budget=self.rounds.nodes)
             self.stats.draft_feature_bytes += feature_nbytes(rows)
             if not draft.missing_features:
                 self.feed.sent()

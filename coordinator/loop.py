@@ -86,8 +86,8 @@ class Generation(Drafting):
             lambda ctx, n, r, calls, budget_s: self.drafts.propose(self.seq_id, ctx, n, self.method, self.req.params,
                                                                    r, self.draft_timeout_s, calls=calls,
                                                                    budget_s=budget_s), overlap)
-        # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model (a tree: its
-        # node budget or none)
+        # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model (a tree: n
+        # of its node budget's nodes, rounds.nodes)
         self.rounds = RoundPolicy(req.k_max, rate_book, control, tree_budget=req.tree_budget,
                                   overlap=self.predraft is not None)
         self._predrafted = False  # this round's draft was a pre-draft that hit
@@ -153,7 +153,8 @@ class Generation(Drafting):
             ready, coming = self.predraft.ready(context), self.predraft.in_flight(context)
         k = self.rounds.k(self.method, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready,
                           coming=coming)
-        self.stats.chosen_k[k] = self.stats.chosen_k.get(k, 0) + 1
+        drafted = self.rounds.nodes if k and self.req.tree_budget > 0 else k  # a tree's k: its nodes
+        self.stats.chosen_k[drafted] = self.stats.chosen_k.get(drafted, 0) + 1
         self._chose_zero = k == 0
         return k
 
@@ -203,7 +204,7 @@ class Generation(Drafting):
             self.stats.verify_time_s += time.monotonic() - t0
         self.rounds.take_cost(outcome.cost)
         self.rounds.learn(self.method, draft, outcome.accepted,
-                          None if self._predrafted else self.stats.draft_time_s - draft_s)
+                          None if self._predrafted else self.stats.draft_time_s - draft_s, emitted=outcome.tokens)
         steps = self._record(draft, outcome)
         if self.predraft is not None:
             self._predraft_stats()

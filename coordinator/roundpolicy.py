@@ -1,13 +1,14 @@
 """k per round for one request: fixed, or chosen for goodput (specmesh/core/goodput.py) from the
 target's verify cost model (sent with every Prefill/Verify response) and this request's measured
 acceptance, seeded from the coordinator's per-drafter rate book. A draft tree's node budget is
-chosen the same way: all its nodes or none (TreePolicy). No grpc here."""
+chosen the same way, n nodes in 0..tree_budget (core/treepolicy.py). No grpc here."""
 
 from __future__ import annotations
 
 from specmesh.config import AUTOREGRESSIVE_DRAFTERS
 from specmesh.core.costmodel import VerifyCost
-from specmesh.core.goodput import KPolicy, RateBook, TreePolicy, shared_cycle_s, skip_beats_drafting
+from specmesh.core.goodput import KPolicy, RateBook, shared_cycle_s, skip_beats_drafting
+from specmesh.core.treepolicy import TreePolicy, emitted_by_budget, path_nodes
 from specmesh.core.types import DraftProposal
 
 
@@ -16,7 +17,8 @@ class RoundPolicy:
                  overlap: bool = False):
         self.k_max = k_max  # > 0: goodput (chains: k in 0..k_max; trees: the budget or none); 0: fixed
         self.overlap = overlap  # each round pre-drafts the next (coordinator/predraft.py)
-        self.tree_budget = tree_budget  # > 0: the request drafts trees of this many nodes
+        self.tree_budget = tree_budget  # > 0: the request drafts trees of up to this many nodes
+        self.nodes = tree_budget  # this round's tree budget (k's call sets it; tree_budget when fixed)
         self.rate_book = rate_book or RateBook()
         self.control = control  # the admin hot switch: a k override fixes k
         self.policies: dict[str, KPolicy | TreePolicy] = {}
@@ -32,6 +34,7 @@ class RoundPolicy:
         ready: draft tokens already drafted for this round (a pre-draft hit): they cost no wait.
         coming: a pre-draft that may still hit is in flight (a round that drafts waits for it)."""
         policy = self._policy(method)
+        self.nodes = self.tree_budget
         if policy is None:
             return max(0, min(fixed_k, limit))
         # the forward's other sequences: the target's live ones, not only its recent mean batch.
@@ -48,8 +51,9 @@ class RoundPolicy:
         def seconds(q: int) -> float:
             return self.cost.estimate(others + q) + wait(q)
 
-        if isinstance(policy, TreePolicy):
-            return max(0, min(fixed_k, limit)) if policy.choose(seconds, others) else 0
+        if isinstance(policy, TreePolicy):  # n nodes, at most fixed_k deep
+            self.nodes = policy.choose(seconds, others)
+            return max(0, min(fixed_k, limit)) if self.nodes else 0
         if self._in_step(method):
             # beside live others, in step: only what is drafted already (a pre-draft that hit), never
             # a wait. A round waiting for a draft made now misses the forward the others start
@@ -109,7 +113,7 @@ class RoundPolicy:
         if self.control is not None and self.control.state.k is not None:
             return None
         if method not in self.policies:
-            self.policies[method] = (TreePolicy(self.tree_budget, self.rate_book.tree_seed(method))
+            self.policies[method] = (TreePolicy(self.tree_budget, self.rate_book.tree_seed(method, self.tree_budget))
                                      if self.tree_budget > 0 else KPolicy(self.k_max, self.rate_book.seed(method, self.k_max)))
         return self.policies[method]
 
@@ -117,9 +121,11 @@ class RoundPolicy:
         if cost is not None:
             self.cost = VerifyCost.from_dict(cost)
 
-    def learn(self, method: str, draft: DraftProposal, accepted: int, draft_s: float | None = 0.0) -> None:
+    def learn(self, method: str, draft: DraftProposal, accepted: int, draft_s: float | None = 0.0,
+              emitted: list[int] = ()) -> None:
         """Fold a round's outcome into the request's and the book's acceptance: a chain's per
-        position, a tree's tokens per round (accepted + the target's own); and draft_s, the time
+        position, a tree's tokens per round for every node budget up to the one it drafted (from
+        its accepted path, found by `emitted`, the tokens the round emitted); and draft_s, the time
         the round waited for a draft drafted on demand (a remote drafter's Propose; ~0 for local
         n-gram; None: the draft was a pre-draft, whose wait says nothing of drafting's cost)."""
         if not draft.token_ids or method == "off":
@@ -131,9 +137,14 @@ class RoundPolicy:
             self.draft_s[method] = draft_s if old is None else old + 0.2 * (draft_s - old)
         policy = self.policies.get(method)
         if draft.parents is not None:
+            path = path_nodes(draft.parents, draft.token_ids, list(emitted)[:accepted])
+            if len(path) != accepted:
+                raise ValueError(f"the emitted tokens follow {len(path)} of the {accepted} accepted tree nodes")
+            # a tree of fewer nodes than its budget is what any larger budget builds (best-first)
+            per_budget = emitted_by_budget(path, max(len(draft.token_ids), self.nodes))
             if isinstance(policy, TreePolicy):
-                policy.update(accepted + 1)
-            self.rate_book.tree_update(method, accepted + 1)
+                policy.update(per_budget)
+            self.rate_book.tree_update(method, per_budget)
             return
         if isinstance(policy, KPolicy):
             policy.update(len(draft.token_ids), accepted)

@@ -22,6 +22,7 @@ from specmesh.core.ngram import propose_ngram
 from specmesh.core.sampling import make_generator, sample, warp_logits
 from specmesh.core.tree import build_tree
 from specmesh.core.types import DraftProposal, SamplingParams
+from specmesh.engine import cpu_gemm
 from specmesh.engine.batcher import Batcher
 from specmesh.errors import InvalidArgument
 
@@ -101,8 +102,11 @@ class BlockDrafter(_BatchedDrafter):
 
     name = "block"
 
-    def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024):
+    def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024,
+                 cpu_kernel: bool = False):
         self.model = model  # a specmesh.drafters.block.BlockDrafter, eval
+        # cpu_kernel: the (shared, float32) LM head from packed weights where the kernel runs
+        self.cpu_kernel = bool(cpu_kernel) and cpu_gemm.pack_linear(model.lm_head)
         cfg = model.cfg
         self.window, self.max_k, self.vocab_size = cfg.context_window, cfg.block_size - 1, cfg.vocab_size
         self.feature_size = cfg.feature_size
@@ -144,11 +148,14 @@ class BlockDrafter(_BatchedDrafter):
         hidden = self.model.hidden(self.model.block_ids(last), torch.stack(feats).to(device),
                                    torch.stack(valid).to(device))
         head = self.model.lm_head
+        depths = [min(job.k, self.max_k) for job, _ in items]
+        rows = torch.cat([hidden[b, 1: 1 + d] for b, d in enumerate(depths)])  # [sum depths, H]
+        # every job's rows through the head at once: one read of its weights (the kernel where packed)
+        rows = rows.to(head.weight.dtype)
+        logits = (cpu_gemm.apply(head, rows) if self.cpu_kernel else head(rows)).float().cpu()  # [sum depths, V]
         out = []
-        for b, (job, _) in enumerate(items):
-            depth = min(job.k, self.max_k)
-            logits = head(hidden[b, 1: 1 + depth].to(head.weight.dtype)).float().cpu()  # [depth, V], host
-            out.append(self._tree(job, logits) if job.tree_budget > 0 else self._chain(job, logits))
+        for (job, _), part in zip(items, logits.split(depths)):  # part: [depth, V]
+            out.append(self._tree(job, part) if job.tree_budget > 0 else self._chain(job, part))
         return out
 
     @staticmethod

@@ -123,7 +123,10 @@ def build_drafters(cfg: MeshConfig) -> dict:
         if block is not None:
             bp = cfg.backpressure.draft_worker
             drafters["block"] = BlockDrafter(block, wcfg.max_batch_size, wcfg.cache_max_sequences,
-                                             max_queue=bp.max_inflight + bp.max_queue)
+                                             max_queue=bp.max_inflight + bp.max_queue,
+                                             cpu_kernel=wcfg.block.cpu_kernel)
+            log.info("block: %s LM head%s", block.lm_head.weight.dtype,
+                     " from packed weights (CPU kernel)" if drafters["block"].cpu_kernel else "")
     return drafters
 
 

@@ -253,9 +253,11 @@ class BlockWorkerConfig:
 
     path: str | None = None  # null: artifacts/drafters/<model.name>-block in the source tree, if present
     dtype: str = "auto"
+    cpu_kernel: bool | str = "auto"  # a float32 LM head (the target's, shared) from packed weights
 
     def validate(self, key: str) -> None:
         _check(self.dtype in DTYPES, f"{key}.dtype", "|".join(DTYPES))
+        _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")
 
 
 @dataclass(frozen=True)

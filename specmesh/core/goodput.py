@@ -24,8 +24,8 @@ of the B sequences not waiting for a draft (shared_cycle_s), and k maximises E(k
 Pricing the wait as if it stalled everyone's forward chose k = 0 in 42% of the pair's rounds at
 concurrency 4 (20-23% now, two runs; docs/pair.md).
 
-A draft tree makes the same choice over its node budget (TreePolicy): all its nodes or none,
-from its measured tokens per round.
+A draft tree makes the same choice over its node budget (core/treepolicy.py): n nodes in
+0..budget, from the tokens each n would have emitted in the rounds measured.
 
 KPolicy keeps a_j per request (an exponential moving average over rounds, seeded from the
 drafter's global rates), probes one position beyond the chosen k now and then so the estimate of
@@ -39,6 +39,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specmesh.core.treepolicy import DEFAULT_TREE_SEED, seed_curve
+
 # a drafter's a_j before anything is measured: MT-Bench's n-gram rates, conditional (docs/bench)
 DEFAULT_SEED = (0.3, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8)
 # a draft model is a small sibling of the target (same tokenizer, same data): seeded optimistic,
@@ -46,9 +48,6 @@ DEFAULT_SEED = (0.3, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8)
 # its first rounds draft and measure; a draft model that does not fit is pulled down by the
 # per-request EMA within a few rounds (each round measures at least its first position)
 SEEDS = {"draft_model": (0.8,) * 8}
-# tokens a draft-tree round emits before anything is measured (the block drafter's 8-16 node trees
-# accept 1.6-1.8 per round on MT-Bench, docs/bench/drafters.md); a little below, so trees must earn it
-DEFAULT_TREE_SEED = 1.5
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -118,43 +117,6 @@ class KPolicy:
             self.rates[j] += self.alpha * (hit - self.rates[j])
 
 
-@dataclass
-class TreePolicy:
-    """Per request: a draft tree's node budget, all or nothing. The tree (budget nodes, verified as
-    budget + 1 positions) runs while its measured tokens per round over T(B, budget + 1) beat one
-    token over T(B, 1) (no draft), with the same margin (hysteresis) and probing as KPolicy: a tree
-    switched off still runs every probe_every-th round, so its estimate stays current."""
-
-    budget: int
-    seed: float = DEFAULT_TREE_SEED
-    alpha: float = 0.2
-    margin: float = 0.05
-    probe_every: int = 16  # a tree probe costs budget rows: rarer than a chain's one extra position
-    emitted: float = 0.0  # EMA of tokens emitted per tree round
-    on: bool | None = None
-    rounds: int = 0
-    history: dict[int, int] = field(default_factory=dict)  # budget used -> rounds
-
-    def __post_init__(self) -> None:
-        self.emitted = self.emitted or max(1.0, self.seed)
-
-    def choose(self, cost: Callable[[int], float], others: float = 0.0) -> int:
-        """This round's node budget: self.budget or 0 (cost and others as best_k's)."""
-        tree, plain = (others + self.emitted) / cost(self.budget + 1), (others + 1.0) / cost(1)
-        if self.on is None:
-            self.on = tree > plain
-        elif self.on != (tree > plain) and abs(tree - plain) > self.margin / cost(1):
-            self.on = not self.on
-        self.rounds += 1
-        probe = bool(self.probe_every) and self.rounds % self.probe_every == 0
-        used = self.budget if self.on or probe else 0
-        self.history[used] = self.history.get(used, 0) + 1
-        return used
-
-    def update(self, emitted: int) -> None:
-        self.emitted += self.alpha * (emitted - self.emitted)
-
-
 class RateBook:
     """Process-wide a_j per drafter: each request's KPolicy starts from its drafter's entry and
     folds its rounds back in, so new requests start from what the mesh has seen (thread-safe)."""
@@ -162,7 +124,7 @@ class RateBook:
     def __init__(self, alpha: float = 0.02):
         self.alpha = alpha
         self._rates: dict[str, list[float]] = {}
-        self._trees: dict[str, float] = {}  # tokens per draft-tree round, by drafter
+        self._trees: dict[str, list[float]] = {}  # tokens per draft-tree round by node budget, by drafter
         self._lock = threading.Lock()
 
     def seed(self, method: str, k_max: int) -> list[float]:
@@ -177,15 +139,22 @@ class RateBook:
             for j in range(min(drafted, accepted + 1)):
                 rates[j] += self.alpha * ((1.0 if j < accepted else 0.0) - rates[j])
 
-    def tree_seed(self, method: str) -> float:
-        """Tokens per tree round the mesh has seen for `method` (DEFAULT_TREE_SEED before any)."""
+    def tree_seed(self, method: str, budget: int) -> list[float]:
+        """Tokens per tree round with n = 1..budget nodes the mesh has seen for `method`
+        (treepolicy.seed_curve of DEFAULT_TREE_SEED before any)."""
         with self._lock:
-            return self._trees.get(method, DEFAULT_TREE_SEED)
+            seen = list(self._trees.get(method, ()))
+        seed = seed_curve(DEFAULT_TREE_SEED, budget)
+        return seen[:budget] + seed[len(seen):]
 
-    def tree_update(self, method: str, emitted: int) -> None:
+    def tree_update(self, method: str, per_budget: list[float]) -> None:
+        """Fold one tree round in: per_budget[n - 1] = the tokens n nodes would have emitted."""
         with self._lock:
-            old = self._trees.get(method, DEFAULT_TREE_SEED)
-            self._trees[method] = old + self.alpha * (emitted - old)
+            rates = self._trees.setdefault(method, [])
+            if len(rates) < len(per_budget):
+                rates += seed_curve(DEFAULT_TREE_SEED, len(per_budget))[len(rates):]
+            for i, x in enumerate(per_budget):
+                rates[i] += self.alpha * (x - rates[i])
 
     def snapshot(self) -> dict[str, list[float]]:
         with self._lock:

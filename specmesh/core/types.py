@@ -117,7 +117,7 @@ class SpecStats:
     verify_time_s: float = 0.0
     feature_bytes: int = 0  # target features received from the target tier (block drafter)
     draft_feature_bytes: int = 0  # target features sent on to the draft tier
-    chosen_k: dict[int, int] = field(default_factory=dict)  # k drafted per round -> rounds
+    chosen_k: dict[int, int] = field(default_factory=dict)  # k drafted per round (a tree: nodes) -> rounds
     predraft_hits: int = 0  # overlap: rounds whose draft was drafted during the previous verify
     predraft_misses: int = 0  # overlap: pre-drafts dropped (the previous round was not accepted in full)
     draft_wait_s: float = 0.0  # overlap: time rounds waited for a pre-draft still in flight

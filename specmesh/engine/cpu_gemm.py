@@ -146,6 +146,27 @@ def install(model: torch.nn.Module) -> bool:
     return use
 
 
+def pack_linear(mod: torch.nn.Linear) -> bool:
+    """Pack one float32 CPU nn.Linear for `apply` (the block drafter's LM head, outside any
+    engine step). True when packed (or already packed by install)."""
+    if getattr(mod, "_specmesh_packed", None) is not None:
+        return True
+    if mod.weight.dtype != torch.float32 or mod.weight.device.type != "cpu" or load() is None:
+        return False
+    with torch.no_grad():
+        mod._specmesh_packed = _EXT.pack(mod.weight.detach())
+    return True
+
+
+def apply(mod: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """mod(x) for x [rows, in]: through the kernel where pack_linear packed mod, any row count
+    (4 rows of SmolLM2's 49152-row head: 8 ms against MKL's 23, Zen 3), else mod's own forward."""
+    wp = getattr(mod, "_specmesh_packed", None)
+    if wp is None or x.dtype != torch.float32 or x.device.type != "cpu":
+        return mod(x)
+    return _EXT.linear(x.contiguous(), wp, mod.bias, mod.out_features)
+
+
 def kernel_apply():
     """apply(x, W, b) through the kernel for rowexact's probe (packs each probe weight once)."""
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}

@@ -193,6 +193,34 @@ def test_loop_sends_deltas_and_recovers_from_a_miss():
     assert s.feature_bytes == (W + s.emitted_tokens) * F * 2  # prefill rows + one row per emitted token
     assert s.draft_feature_bytes == sum(n for _, n, _ in drafts.calls) * F * 2
 
+def test_block_head_on_the_cpu_kernel_drafts_a_batch_as_each_job_alone():
+    """cpu_kernel: the shared float32 head from packed weights; all jobs' rows through it at once,
+    each job's drafts bitwise what it drafts alone (the kernel is row-invariant)."""
+    from specmesh.engine import cpu_gemm
+    if cpu_gemm.load() is None:
+        pytest.skip(f"kernel not usable here: {cpu_gemm.unusable_reason()}")
+    torch.manual_seed(1)
+    embed = nn.Embedding(V, H)
+    head = nn.Linear(H, V, bias=False)
+    head.weight = embed.weight
+    cfg = BlockDrafterConfig(target_layers=(0, 1), target_hidden_size=H, hidden_size=H, num_layers=1, num_heads=2,
+                             num_kv_heads=1, head_dim=8, intermediate_size=32, block_size=5, context_window=W,
+                             vocab_size=V)
+    d = BlockDrafter(BlockModel(cfg, embed, head).eval(), max_batch_size=4, cache_max_sequences=4, cpu_kernel=True)
+    try:
+        assert d.cpu_kernel
+        jobs = [(job(s, 9 + i, k=k, tree=t), FeatureWindow(W, rows(i, 8 + i), 8 + i))
+                for i, (s, k, t) in enumerate((("x", 4, 0), ("y", 2, 0), ("z", 3, 6)))]
+        together = d._run_batch("propose", jobs)
+        for one, got in zip(jobs, together):
+            alone = d._run_batch("propose", [one])[0]
+            assert (got.token_ids, got.parents) == (alone.token_ids, alone.parents)
+        assert [len(p.token_ids) for p in together] == [4, 2, 6]
+        feats, valid = FeatureWindow(W, rows(0, 8), 8).padded()  # greedy chain: the model's own argmax
+        assert together[0].token_ids == d.model.draft(torch.tensor([9]), feats[None], valid[None])[0].tolist()
+    finally:
+        d.close()
+
 
 # ------------------------------------------------------------------ loading the artefact
 
@@ -220,3 +248,19 @@ def test_loader_checks_manifest_and_feature_config(drafter, tmp_path):
     (out / "config.json").write_text((out / "config.json").read_text().replace('"num_layers": 1', '"num_layers": 2'))
     with pytest.raises(ModelIntegrityError, match="MANIFEST"):
         load_block_model(cfg(out), embed, head)
+
+
+def test_shared_head_is_loaded_in_the_drafters_dtype(tmp_path):
+    """A bf16 checkpoint's embedding and tied head, read as float32 for a float32 drafter (a bf16
+    head is ~9x slower on a CPU without native bf16), or as stored."""
+    from safetensors.torch import save_file
+
+    from draft_worker.block_loader import shared_head
+
+    weight = torch.randn(V, H).to(torch.bfloat16)
+    save_file({"model.embed_tokens.weight": weight}, str(tmp_path / "model.safetensors"))
+    embed, head = shared_head(tmp_path, torch.float32)
+    assert embed.weight.dtype == head.weight.dtype == torch.float32
+    assert head.weight.data_ptr() == embed.weight.data_ptr()  # tied: one float32 copy
+    assert torch.equal(embed.weight, weight.float())
+    assert shared_head(tmp_path)[1].weight.dtype == torch.bfloat16

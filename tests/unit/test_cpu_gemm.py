@@ -71,3 +71,20 @@ def test_linears_take_the_kernel_only_inside_a_step_and_probe_invariant():
     probed = rowexact.probed(model)  # every count at its probe limit: the kernel is row-invariant
     assert probed.pop("lm_head float32") == rowexact.PROBE_HEAD_ROWS and set(probed.values()) == {rowexact.PROBE_ROWS}
     assert rowexact.cheap(model)
+
+
+@needs_kernel
+def test_a_single_packed_linear_applies_at_any_row_count_outside_steps():
+    """pack_linear / apply (the block drafter's shared LM head): the kernel outside engine steps,
+    F.linear's result within rounding, each row bitwise its one-row call; an unpacked or bf16
+    module runs its own forward."""
+    torch.manual_seed(1)
+    head = torch.nn.Linear(24, 300, bias=False)
+    x = torch.randn(7, 24)
+    assert not cpu_gemm.in_step() and cpu_gemm.apply(head, x).equal(head(x))  # not packed yet
+    assert cpu_gemm.pack_linear(head) and cpu_gemm.pack_linear(head)  # idempotent
+    y = cpu_gemm.apply(head, x)
+    assert torch.allclose(y, head(x), rtol=1e-4, atol=1e-4)
+    assert torch.equal(torch.cat([cpu_gemm.apply(head, x[i:i + 1]) for i in range(7)]), y)
+    half = torch.nn.Linear(24, 300, bias=False).to(torch.bfloat16)
+    assert not cpu_gemm.pack_linear(half) and cpu_gemm.apply(half, x.bfloat16()).equal(half(x.bfloat16()))

@@ -106,22 +106,6 @@ def test_cost_model_buckets_not_seen_lately_follow_the_machine():
     assert c.estimate(2) > c.estimate(1) and c.estimate(5) > c.estimate(2)
 
 
-def test_tree_budget_all_or_none_by_goodput():
-    from specmesh.core.goodput import TreePolicy
-
-    cheap = lambda q: 1.0 + 0.02 * (q - 1)  # noqa: E731 - 9 positions cost 1.16 steps
-    costly = lambda q: 1.0 + 0.2 * (q - 1)  # noqa: E731 - 9 positions cost 2.6 steps
-    p = TreePolicy(budget=8, seed=1.7, probe_every=4)
-    assert p.choose(cheap) == 8  # 1.7 tokens / 1.16 beats 1 / 1
-    q = TreePolicy(budget=8, seed=1.7, probe_every=4)
-    used = [q.choose(costly) for _ in range(8)]
-    assert used.count(0) == 6 and used.count(8) == 2  # off, but every 4th round probes the tree
-    for _ in range(30):  # the tree stops paying even where verify is cheap: 1 token per round
-        p.update(1) if p.choose(cheap) else None
-    assert p.on is False and p.emitted < 1.1
-    assert sum(p.history.values()) == p.rounds
-
-
 def test_round_policy_for_a_tree_request():
     from coordinator.roundpolicy import RoundPolicy
     from specmesh.core.types import DraftProposal
@@ -132,10 +116,11 @@ def test_round_policy_for_a_tree_request():
     assert rp.k("block", 4, limit=50) == 4  # no cost model yet: fixed, the depth cap
     rp.take_cost(cost)
     assert rp.k("block", 4, limit=50) == 4 and rp.k("block", 4, limit=2) == 2  # the tree runs (depth capped)
+    assert rp.nodes == 8  # 9 rows cost 1.1 steps: the whole budget
     tree = DraftProposal([1, 2, 3], None, [-1, 0, 0])
     for _ in range(20):
-        rp.learn("block", tree, accepted=0)  # nothing accepted: 1 token per round
-    assert rp.k("block", 4, limit=50) == 0 and book.tree_seed("block") < 1.1
+        rp.learn("block", tree, accepted=0, emitted=[7])  # nothing accepted: 1 token per round
+    assert rp.k("block", 4, limit=50) == 0 and rp.nodes == 0 and max(book.tree_seed("block", 8)) < 1.1
     nxt = RoundPolicy(k_max=8, rate_book=book, tree_budget=8)  # the next request starts from the book
     nxt.take_cost(cost)
     assert nxt.k("block", 4, limit=50) == 0
@@ -153,8 +138,8 @@ def test_a_slow_remote_draft_counts_in_the_round_time():
         rp = RoundPolicy(k_max=8, rate_book=RateBook(), tree_budget=8)
         rp.take_cost(cost)
         for _ in range(20):
-            rp.learn("block", tree, accepted=0, draft_s=wait)  # 1.5 -> ~1.3 tokens per tree round
-            rp.learn("block", tree, accepted=1, draft_s=wait)
+            rp.learn("block", tree, accepted=0, draft_s=wait, emitted=[9])  # ~1.4 tokens per tree round
+            rp.learn("block", tree, accepted=1, draft_s=wait, emitted=[1, 9])
         rp.policies.clear()  # a fresh decision from what was learnt (the book's rate, this draft time)
         assert rp.k("block", 4, limit=50) == expect, wait
 
