@@ -55,17 +55,21 @@ def test_feed_sends_deltas_then_the_whole_window():
 
 # ------------------------------------------------------------------ the draft worker's drafter
 
-@pytest.fixture(scope="module")
-def drafter():
-    torch.manual_seed(0)
+def tiny_block_model(seed: int) -> BlockModel:
+    """A random 1-layer block drafter over a tied V x H embedding / head."""
+    torch.manual_seed(seed)
     embed = nn.Embedding(V, H)
     head = nn.Linear(H, V, bias=False)
     head.weight = embed.weight
     cfg = BlockDrafterConfig(target_layers=(0, 1), target_hidden_size=H, hidden_size=H, num_layers=1, num_heads=2,
                              num_kv_heads=1, head_dim=8, intermediate_size=32, block_size=5, context_window=W,
                              vocab_size=V)
-    model = BlockModel(cfg, embed, head).eval()
-    d = BlockDrafter(model, max_batch_size=4, cache_max_sequences=2)
+    return BlockModel(cfg, embed, head).eval()
+
+
+@pytest.fixture(scope="module")
+def drafter():
+    d = BlockDrafter(tiny_block_model(0), max_batch_size=4, cache_max_sequences=2)
     yield d
     d.close()
 
@@ -199,14 +203,7 @@ def test_block_head_on_the_cpu_kernel_drafts_a_batch_as_each_job_alone():
     from specmesh.engine import cpu_gemm
     if cpu_gemm.load() is None:
         pytest.skip(f"kernel not usable here: {cpu_gemm.unusable_reason()}")
-    torch.manual_seed(1)
-    embed = nn.Embedding(V, H)
-    head = nn.Linear(H, V, bias=False)
-    head.weight = embed.weight
-    cfg = BlockDrafterConfig(target_layers=(0, 1), target_hidden_size=H, hidden_size=H, num_layers=1, num_heads=2,
-                             num_kv_heads=1, head_dim=8, intermediate_size=32, block_size=5, context_window=W,
-                             vocab_size=V)
-    d = BlockDrafter(BlockModel(cfg, embed, head).eval(), max_batch_size=4, cache_max_sequences=4, cpu_kernel=True)
+    d = BlockDrafter(tiny_block_model(1), max_batch_size=4, cache_max_sequences=4, cpu_kernel=True)
     try:
         assert d.cpu_kernel
         jobs = [(job(s, 9 + i, k=k, tree=t), FeatureWindow(W, rows(i, 8 + i), 8 + i))
