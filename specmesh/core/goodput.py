@@ -35,11 +35,10 @@ margin (hysteresis: a share of one token per k = 0 round), so k does not flap on
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass, field
 from typing import Callable
-
-from specmesh.core.treepolicy import DEFAULT_TREE_SEED, seed_curve
 
 # a drafter's a_j before anything is measured: MT-Bench's n-gram rates, conditional (docs/bench)
 DEFAULT_SEED = (0.3, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8)
@@ -48,6 +47,10 @@ DEFAULT_SEED = (0.3, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8)
 # its first rounds draft and measure; a draft model that does not fit is pulled down by the
 # per-request EMA within a few rounds (each round measures at least its first position)
 SEEDS = {"draft_model": (0.8,) * 8}
+# tokens a whole draft-tree round emits before anything is measured (the block drafter's 8-16 node
+# trees accept 1.6-1.8 per round on MT-Bench, docs/bench/drafters.md); a little below, so trees
+# must earn it
+DEFAULT_TREE_SEED = 1.5
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -59,17 +62,31 @@ def expected_tokens(rates: list[float], k: int) -> float:
     return total
 
 
-def best_k(rates: list[float], cost: Callable[[int], float], k_max: int, others: float = 0.0) -> tuple[int, float]:
-    """(k, goodput) maximising (others + expected_tokens(rates, k)) / cost(k + 1) over k in
-    0..k_max; ties go to the smaller k. cost(q): seconds of the forward that verifies this
-    request's q positions (q >= 1) beside the others' rows; others: tokens the other sequences of
-    that forward emit (0 alone)."""
-    best, best_rate = 0, (others + expected_tokens(rates, 0)) / cost(1)
-    for k in range(1, k_max + 1):
-        rate = (others + expected_tokens(rates, k)) / cost(k + 1)
+def best_of(tokens: Callable[[int], float], cost: Callable[[int], float], n_max: int,
+            others: float = 0.0) -> tuple[int, float]:
+    """(n, goodput) maximising (others + tokens(n)) / cost(n + 1) over n in 0..n_max, n drafts
+    verified as n + 1 positions; ties go to the smaller n. cost(q): seconds of the forward that
+    verifies this request's q positions (q >= 1) beside the others' rows; others: tokens the other
+    sequences of that forward emit (0 alone)."""
+    best, best_rate = 0, (others + tokens(0)) / cost(1)
+    for n in range(1, n_max + 1):
+        rate = (others + tokens(n)) / cost(n + 1)
         if rate > best_rate * (1 + 1e-9):
-            best, best_rate = k, rate
+            best, best_rate = n, rate
     return best, best_rate
+
+
+def best_k(rates: list[float], cost: Callable[[int], float], k_max: int, others: float = 0.0) -> tuple[int, float]:
+    """best_of for a chain: k drafts emit expected_tokens(rates, k)."""
+    return best_of(lambda k: expected_tokens(rates, k), cost, k_max, others)
+
+
+def seed_curve(whole: float, budget: int) -> list[float]:
+    """A draft tree's tokens per round with n = 1..budget nodes before anything is measured, from
+    `whole` with all `budget` nodes: concave (the first nodes are the drafter's likeliest),
+    1 + (whole - 1) * sqrt(n / budget)."""
+    gain = max(0.0, whole - 1.0)
+    return [1.0 + gain * math.sqrt(n / budget) for n in range(1, budget + 1)]
 
 
 @dataclass
@@ -141,7 +158,7 @@ class RateBook:
 
     def tree_seed(self, method: str, budget: int) -> list[float]:
         """Tokens per tree round with n = 1..budget nodes the mesh has seen for `method`
-        (treepolicy.seed_curve of DEFAULT_TREE_SEED before any)."""
+        (seed_curve of DEFAULT_TREE_SEED before any)."""
         with self._lock:
             seen = list(self._trees.get(method, ()))
         seed = seed_curve(DEFAULT_TREE_SEED, budget)

@@ -20,22 +20,10 @@ cost about one, the whole tree.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Callable
 
-# tokens a whole draft-tree round emits before anything is measured (the block drafter's 8-16 node
-# trees accept 1.6-1.8 per round on MT-Bench, docs/bench/drafters.md); a little below, so trees
-# must earn it
-DEFAULT_TREE_SEED = 1.5
-
-
-def seed_curve(whole: float, budget: int) -> list[float]:
-    """E(n) for n = 1..budget before anything is measured, from `whole` tokens per round with
-    all `budget` nodes: concave (the first nodes are the drafter's likeliest),
-    1 + (whole - 1) * sqrt(n / budget)."""
-    gain = max(0.0, whole - 1.0)
-    return [1.0 + gain * math.sqrt(n / budget) for n in range(1, budget + 1)]
+from specmesh.core.goodput import DEFAULT_TREE_SEED, best_of, seed_curve
 
 
 def path_nodes(parents: list[int], draft: list[int], emitted: list[int]) -> list[int]:
@@ -80,12 +68,7 @@ class TreePolicy:
 
     def best(self, cost: Callable[[int], float], others: float = 0.0) -> tuple[int, float]:
         """(n, goodput) maximising (others + E(n)) / cost(n + 1); ties go to the smaller n."""
-        best, rate = 0, (others + 1.0) / cost(1)
-        for n in range(1, self.budget + 1):
-            r = (others + self.tokens(n)) / cost(n + 1)
-            if r > rate * (1 + 1e-9):
-                best, rate = n, r
-        return best, rate
+        return best_of(self.tokens, cost, self.budget, others)
 
     def choose(self, cost: Callable[[int], float], others: float = 0.0) -> int:
         """This round's node budget (cost and others as goodput.best_k's)."""

@@ -138,17 +138,16 @@ def install(model: torch.nn.Module) -> bool:
     head = model.get_output_embeddings()
     use = head.weight.dtype == torch.float32 and head.weight.device.type == "cpu" and load() is not None
     if use:
-        with torch.no_grad():
-            for mod in [*model.model.modules(), head]:
-                if isinstance(mod, torch.nn.Linear):
-                    mod._specmesh_packed = _EXT.pack(mod.weight.detach())
+        for mod in [*model.model.modules(), head]:
+            if isinstance(mod, torch.nn.Linear):
+                pack_linear(mod)
     model._specmesh_cpu_gemm = use
     return use
 
 
 def pack_linear(mod: torch.nn.Linear) -> bool:
-    """Pack one float32 CPU nn.Linear for `apply` (the block drafter's LM head, outside any
-    engine step). True when packed (or already packed by install)."""
+    """Pack one float32 CPU nn.Linear for the kernel (install: every linear of a model; alone:
+    the block drafter's LM head, for `apply` outside engine steps). True when packed (or already)."""
     if getattr(mod, "_specmesh_packed", None) is not None:
         return True
     if mod.weight.dtype != torch.float32 or mod.weight.device.type != "cpu" or load() is None:
@@ -161,10 +160,9 @@ def pack_linear(mod: torch.nn.Linear) -> bool:
 def apply(mod: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     """mod(x) for x [rows, in]: through the kernel where pack_linear packed mod, any row count
     (4 rows of SmolLM2's 49152-row head: 8 ms against MKL's 23, Zen 3), else mod's own forward."""
-    wp = getattr(mod, "_specmesh_packed", None)
-    if wp is None or x.dtype != torch.float32 or x.device.type != "cpu":
-        return mod(x)
-    return _EXT.linear(x.contiguous(), wp, mod.bias, mod.out_features)
+    with active():
+        y = packed(mod, x, exact=True)  # exact: every row count on the kernel
+    return mod(x) if y is None else y
 
 
 def kernel_apply():

@@ -5,7 +5,8 @@ import pytest
 import torch
 
 from specmesh.core.tree import build_tree
-from specmesh.core.treepolicy import TreePolicy, emitted_by_budget, path_nodes, seed_curve
+from specmesh.core.goodput import seed_curve
+from specmesh.core.treepolicy import TreePolicy, emitted_by_budget, path_nodes
 
 
 def test_a_smaller_budget_builds_the_first_nodes_of_a_larger_one():
