@@ -3,13 +3,24 @@
 The engine packs every sequence's new positions into one forward (specmesh/engine/kv.py), so a
 forward's time follows its total row count T = sum over the batch of (k_b + 1), plus a small
 per-sequence part (attention). The model keeps the seconds of a forward at a few row counts
-(ROWS), seeded by a measurement at start-up and kept current from every batch the worker runs
-(an exponential moving average at the nearest bucket; a bucket not observed since start-up is its
-start-up time times the observed buckets' geometric mean drift from theirs, so the curve keeps its
-shape when the whole machine slows down, and noise cannot walk it away: multiplying it by every
-observation's relative move, as this did until session 11, let a 65-row bucket no batch reached
-drift to 16x a one-row step on a Zen 4 run), and answers any row count by linear
-interpolation (beyond the last bucket: linear extrapolation from the last two).
+(ROWS), seeded by a measurement at start-up and kept current from every batch the worker runs.
+
+Two parts, in logs: a **drift** shared by every bucket (how fast the machine runs now) and a
+**shape** per bucket (what its forward costs next to the others). Each observation moves the
+drift (alpha); it moves its own bucket's shape (alpha / 4) only when another bucket was observed
+among the last few forwards, i.e. when the machine's speed of the moment is known from more than
+this bucket (a run of one bucket alone cannot tell a slower machine from a dearer bucket, and
+goes to the drift). So a bucket observed rarely still follows the machine, and a bucket observed
+in a loaded minute does not keep that minute's time. This VM's speed moves by up to ~30% between minutes: with one EMA per bucket (until session
+20) the buckets held times from different minutes, and tables like 1 row 68.5 ms, 5 rows 62.9 ms
+(the end of a session-19 run) or 1 row 41.8, 2 rows 56.9 ms told the goodput rule that drafts were
+free or dear, while the rows' own times, logged over one run at concurrency 1, kept medians of
+37.6 / 36.7 / 44.7 ms for 1 / 2 / 5 rows. (The even older rule, every bucket multiplied by every
+observation's relative move, let a 65-row bucket no batch reached drift to 16x a one-row step.)
+
+Any row count is answered by linear interpolation (beyond the last bucket: linear extrapolation
+from the last two) over the buckets' monotone fit (pool adjacent violators): a forward of more
+rows never costs less than one of fewer.
 
 What the coordinator needs for the goodput rule (core/goodput.py) is the time of the forward
 that verifies a request's q positions beside B - 1 other sequences' rows: estimate(B - 1 + q),
@@ -24,18 +35,18 @@ import math
 import threading
 
 ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # buckets: a one-token step, chains of k=1..16, a few batches
+RECENT = 4  # a bucket's shape learns when another bucket was among this many last observations
 
 
 class VerifyCost:
     def __init__(self, seconds: dict[int, float] | None = None, alpha: float = 0.1):
-        self.alpha = alpha
-        # buckets observed since start-up; the others follow the observed ones' drift from start-up:
-        # a bucket known only from start-up (say 2 rows, while the mesh runs 1-row steps) would
-        # otherwise keep an idle machine's time and the curve bend (2 rows "cheaper" than 1)
-        self._seen: set[int] = set()
+        self.alpha = alpha  # the drift's EMA weight; a bucket's shape moves at alpha / 4
         self._lock = threading.Lock()
-        self.table: dict[int, float] = dict(sorted((seconds or {}).items()))
-        self._start: dict[int, float] = dict(self.table)  # start-up (seeded) seconds per bucket
+        self._drift = 0.0  # log of the machine's speed now against the shape's (shared)
+        self._recent: list[int] = []  # the buckets of the last RECENT observations
+        self._shape: dict[int, float] = {r: math.log(s) for r, s in (seconds or {}).items() if s > 0}
+        self.table: dict[int, float] = {}  # seconds per bucket now: exp(shape + drift), by rows
+        self._refresh()
         self.mean_batch = 1.0
         self.live = 0  # sequences the worker holds (set by the worker when it sends the table)
 
@@ -46,26 +57,24 @@ class VerifyCost:
         with self._lock:
             bucket = min(ROWS, key=lambda r: abs(r - rows))
             if abs(bucket - rows) <= max(1, bucket // 4):  # close enough to stand for the bucket
-                old = self.table.get(bucket)
-                self.table[bucket] = seconds if old is None else old + self.alpha * (seconds - old)
-                self._seen.add(bucket)
-                self._follow()
+                now = math.log(seconds)
+                if bucket not in self._shape:  # first seen: its shape is this forward at today's drift
+                    self._shape[bucket] = now - self._drift
+                self._drift += self.alpha * (now - self._drift - self._shape[bucket])
+                if any(r != bucket for r in self._recent):  # the drift is known from other buckets too
+                    self._shape[bucket] += self.alpha / 4 * (now - self._drift - self._shape[bucket])
+                self._recent = (self._recent + [bucket])[-RECENT:]
+                self._refresh()
             self.mean_batch += self.alpha * (batch - self.mean_batch)
 
-    def _follow(self) -> None:
-        """Buckets not observed: start-up seconds x the observed buckets' geometric mean drift
-        (observed / start-up). Caller holds the lock."""
-        ratios = [math.log(self.table[r] / s) for r, s in self._start.items() if r in self._seen and s > 0]
-        drift = math.exp(sum(ratios) / len(ratios)) if ratios else 1.0
-        table = {r: (s if r in self._seen else self._start.get(r, s) * drift) for r, s in self.table.items()}
-        self.table = dict(sorted(table.items()))
+    def _refresh(self) -> None:
+        self.table = {r: math.exp(s + self._drift) for r, s in sorted(self._shape.items())}
 
     def seed(self, seconds: dict[int, float]) -> None:
-        """Start-up measurements (not observations: they follow the machine's drift later)."""
+        """Start-up measurements: the buckets' shape at the drift in force."""
         with self._lock:
-            self._start.update(seconds)
-            self.table = dict(sorted({**self.table, **seconds}.items()))
-            self._follow()
+            self._shape.update({r: math.log(s) - self._drift for r, s in seconds.items() if s > 0})
+            self._refresh()
 
     def estimate(self, rows: float) -> float:
         """Seconds of a forward of `rows` rows (interpolated; 1.0 per row when nothing is known)."""
@@ -73,7 +82,7 @@ class VerifyCost:
             pts = list(self.table.items())  # kept sorted by rows
         if not pts:
             return float(rows)
-        xs, ys = [x for x, _ in pts], [y for _, y in pts]
+        xs, ys = [x for x, _ in pts], monotone([y for _, y in pts])
         if rows <= xs[0]:
             return ys[0]
         if len(xs) == 1:
@@ -93,3 +102,15 @@ class VerifyCost:
         cost.mean_batch = float(data.get("mean_batch", 1.0))
         cost.live = int(data.get("live", 0))
         return cost
+
+
+def monotone(ys: list[float]) -> list[float]:
+    """The least-squares non-decreasing fit of ys (pool adjacent violators, equal weights): each
+    run of values that falls is replaced by its mean, merged leftwards until the sequence rises."""
+    blocks: list[list[float]] = []  # [mean, count]
+    for y in ys:
+        blocks.append([y, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            (m1, n1), (m2, n2) = blocks[-2], blocks.pop()
+            blocks[-1] = [(m1 * n1 + m2 * n2) / (n1 + n2), n1 + n2]
+    return [m for m, n in blocks for _ in range(int(n))]

@@ -67,7 +67,7 @@ def test_limit_caps_k_and_update_ignores_untried_positions():
 
 def test_cost_model_interpolates_observes_and_round_trips():
     c = VerifyCost({1: 0.04, 5: 0.06, 17: 0.13})
-    assert c.estimate(1) == 0.04 and c.estimate(3) == pytest.approx(0.05) and c.estimate(33) > 0.13
+    assert c.estimate(1) == pytest.approx(0.04) and c.estimate(3) == pytest.approx(0.05) and c.estimate(33) > 0.13
     c.observe(5, 0.16, batch=4)  # an EMA step at the nearest bucket
     assert 0.06 < c.estimate(5) < 0.16 and c.mean_batch > 1
     c.observe(100, 1.0)  # far from every bucket: no table change
@@ -339,3 +339,37 @@ def test_in_force_is_the_chosen_k_without_its_probe():
     assert set(ks) == {0, 1} and ks.count(1) == 2  # k = 0 in force, every 8th round probes k = 1
     assert all(rp.in_force("ngram", k) == 0 for k in ks)
     assert RoundPolicy(k_max=0).in_force("ngram", 3) == 3  # fixed k
+
+
+def test_cost_model_buckets_observed_in_different_minutes_keep_their_shape():
+    """A noisy machine: 1-row steps observed while it runs 1.6x slow, then 5-row verifies while it
+    runs at speed. One EMA per bucket held 1 row dearer than 5 (drafts looked free); the shared
+    drift keeps 5 rows ~1.2x 1 row, at the speed of the latest minute."""
+    c = VerifyCost({1: 0.040, 2: 0.040, 5: 0.048, 9: 0.064})
+    for _ in range(30):
+        c.observe(1, 0.040 * 1.6)
+    for _ in range(30):
+        c.observe(5, 0.048)
+    assert c.estimate(5) / c.estimate(1) == pytest.approx(1.2, rel=0.1)
+    assert c.estimate(1) == pytest.approx(0.040, rel=0.1)  # the machine is at speed again
+    assert c.estimate(9) / c.estimate(5) == pytest.approx(0.064 / 0.048, rel=0.05)
+
+
+def test_cost_model_shape_learns_a_bucket_the_start_up_got_wrong():
+    """Interleaved observations at one speed, 5 rows steadily 1.5x its start-up time relative to
+    1 row: the shape moves to it, the drift stays."""
+    c = VerifyCost({1: 0.040, 5: 0.048})
+    for _ in range(300):
+        c.observe(1, 0.040)
+        c.observe(5, 0.072)
+    assert c.estimate(5) == pytest.approx(0.072, rel=0.05) and c.estimate(1) == pytest.approx(0.040, rel=0.05)
+
+
+def test_cost_model_estimates_never_fall_with_rows():
+    from specmesh.core.costmodel import monotone
+
+    assert monotone([3.0, 1.0, 2.0, 5.0]) == [2.0, 2.0, 2.0, 5.0]
+    assert monotone([1.0, 2.0]) == [1.0, 2.0] and monotone([]) == []
+    c = VerifyCost({1: 0.0685, 2: 0.0591, 3: 0.0612, 5: 0.0629, 9: 0.093})  # a session-19 table
+    est = [c.estimate(q) for q in range(1, 10)]
+    assert est == sorted(est)
