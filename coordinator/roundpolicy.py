@@ -42,6 +42,7 @@ class RoundPolicy:
         # shrinks the mean batch, which made drafting look cheap: a self-fulfilling loss (the pair
         # at concurrency 4, docs/pair.md). The live count is the batch a plain step would share.
         others = self._others()
+        rows, tokens = self._beside()  # the others' rows in the forward and the tokens they buy
         draft_s = self.draft_s.get(method, 0.0)  # a drafting round also waits for its draft
         per_token = method in AUTOREGRESSIVE_DRAFTERS
 
@@ -49,10 +50,10 @@ class RoundPolicy:
             return 0.0 if q - 1 <= ready else draft_s * (q - 1 - ready) if per_token else draft_s
 
         def seconds(q: int) -> float:
-            return self.cost.estimate(others + q) + wait(q)
+            return self.cost.estimate(rows + q) + wait(q)
 
         if isinstance(policy, TreePolicy):  # n nodes, at most fixed_k deep
-            self.nodes = policy.choose(seconds, others)
+            self.nodes = policy.choose(seconds, tokens)
             return max(0, min(fixed_k, limit)) if self.nodes else 0
         if self._in_step(method):
             # beside live others, in step: only what is drafted already (a pre-draft that hit), never
@@ -60,16 +61,16 @@ class RoundPolicy:
             # meanwhile and pulls its sequence out of step (each forward then holds a part of the
             # batch); a k = 0 round keeps the target's batch whole while its pre-draft drafts on.
             # (k <= ready: seconds(k + 1) has no wait in it)
-            return policy.choose(seconds, limit=min(limit, ready), others=others) if ready > 0 else 0
+            return policy.choose(seconds, limit=min(limit, ready), others=tokens) if ready > 0 else 0
         if per_token and others >= 1 and draft_s > 0:
             # beside live others, a round waiting for its draft leaves the target to them meanwhile:
             # the wait costs this sequence its share of the forwards, not everyone's (shared_cycle_s)
             return policy.choose(lambda q: shared_cycle_s(self.cost.estimate, others + 1, q, wait(q)), limit=limit)
-        k = policy.choose(seconds, limit=limit, others=others)
+        k = policy.choose(seconds, limit=limit, others=tokens)
         if self.overlap and per_token and ready == 0 and not coming and draft_s > 0:
             fit = self.predraft_tokens(method, 1)  # what the draft tier drafts during a plain step
-            if fit and skip_beats_drafting(policy.rates, lambda q: self.cost.estimate(others + q), k, draft_s,
-                                           fit - 1, others):
+            if fit and skip_beats_drafting(policy.rates, lambda q: self.cost.estimate(rows + q), k, draft_s,
+                                           fit - 1, tokens):
                 return 0  # no wait now: this round's pre-draft makes the next one free
         return k
 
@@ -105,6 +106,14 @@ class RoundPolicy:
 
     def _others(self) -> float:
         return max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
+
+    def _beside(self) -> tuple[float, float]:
+        """(rows, tokens) the other sequences of this round's forward bring: each packs the rows and
+        emits the tokens a sequence recently did per forward (the target's mean_rows / mean_tokens).
+        Pricing the others at one row each made a draft at 4 sequences look like the 4 -> 5-row step
+        while all of them drafted (4 -> 8 rows): n-gram at concurrency 4 ran 0.90x AR (session 20)."""
+        n = self._others()
+        return n * max(1.0, self.cost.mean_rows), n * max(1.0, self.cost.mean_tokens)
 
     def _policy(self, method: str) -> KPolicy | TreePolicy | None:
         """None: k is fixed (goodput off, the hot switch overrides k, or no cost model yet)."""

@@ -185,7 +185,6 @@ class ModelThread:
         outs = batched_step(self.model, [j.seq.kv for j in jobs], inputs, new_masks=[m for m, _ in layouts],
                             depths=[d for _, d in layouts], hidden_layers=hidden, row_exact=self.batch_invariant)
         self._last_verify_s = time.perf_counter() - t0
-        self.cost.observe(sum(map(len, inputs)), self._last_verify_s, batch=len(jobs))
         results = []
         for job, out in zip(jobs, outs):
             seq, draft = job.seq, job.draft
@@ -203,6 +202,8 @@ class ModelThread:
             seq.tokens += outcome.tokens
             feats = _features(out, hidden, job.features, keep)
             results.append(outcome if feats is None else dataclasses.replace(outcome, features=feats))
+        self.cost.observe(sum(map(len, inputs)), self._last_verify_s, batch=len(jobs),
+                          tokens=sum(len(r.tokens) for r in results))
         return results
 
 

@@ -23,9 +23,13 @@ from the last two) over the buckets' monotone fit (pool adjacent violators): a f
 rows never costs less than one of fewer.
 
 What the coordinator needs for the goodput rule (core/goodput.py) is the time of the forward
-that verifies a request's q positions beside B - 1 other sequences' rows: estimate(B - 1 + q),
+that verifies a request's q positions beside B - 1 other sequences' rows: estimate((B - 1) r + q),
 with B the larger of the worker's live sequences (live, sent with the table) and its recent mean
-batch (mean_batch).
+batch (mean_batch), and r the rows each sequence has recently packed per forward (mean_rows: 1
+where nobody drafts, more where the others draft too; with r = 1, as until session 20, the rule
+priced a draft at 4 sequences by the 4 -> 5-row step, ~3% of a forward on this CPU, while every
+sequence drafted and the real step was 4 -> 8 rows, ~39%). mean_tokens: the tokens each sequence
+has recently emitted per forward (what the others' rows buy).
 """
 
 from __future__ import annotations
@@ -48,10 +52,12 @@ class VerifyCost:
         self.table: dict[int, float] = {}  # seconds per bucket now: exp(shape + drift), by rows
         self._refresh()
         self.mean_batch = 1.0
+        self.mean_rows = 1.0  # rows per sequence per forward (EMA)
+        self.mean_tokens = 1.0  # tokens emitted per sequence per forward (EMA; observe's tokens)
         self.live = 0  # sequences the worker holds (set by the worker when it sends the table)
 
-    def observe(self, rows: int, seconds: float, batch: int = 1) -> None:
-        """Fold in one forward of `rows` packed rows over `batch` sequences."""
+    def observe(self, rows: int, seconds: float, batch: int = 1, tokens: int | None = None) -> None:
+        """Fold in one forward of `rows` packed rows over `batch` sequences that emitted `tokens`."""
         if rows < 1 or seconds <= 0:
             return
         with self._lock:
@@ -66,6 +72,9 @@ class VerifyCost:
                 self._recent = (self._recent + [bucket])[-RECENT:]
                 self._refresh()
             self.mean_batch += self.alpha * (batch - self.mean_batch)
+            self.mean_rows += self.alpha * (rows / max(1, batch) - self.mean_rows)
+            if tokens is not None:
+                self.mean_tokens += self.alpha * (tokens / max(1, batch) - self.mean_tokens)
 
     def _refresh(self) -> None:
         self.table = {r: math.exp(s + self._drift) for r, s in sorted(self._shape.items())}
@@ -94,12 +103,14 @@ class VerifyCost:
     def as_dict(self) -> dict:
         with self._lock:
             return {"rows": list(self.table), "seconds": list(self.table.values()), "mean_batch": self.mean_batch,
-                    "live": self.live}
+                    "live": self.live, "mean_rows": self.mean_rows, "mean_tokens": self.mean_tokens}
 
     @classmethod
     def from_dict(cls, data: dict) -> VerifyCost:
         cost = cls(dict(zip((int(r) for r in data.get("rows", ())), (float(s) for s in data.get("seconds", ())))))
         cost.mean_batch = float(data.get("mean_batch", 1.0))
+        cost.mean_rows = float(data.get("mean_rows", 1.0))
+        cost.mean_tokens = float(data.get("mean_tokens", 1.0))
         cost.live = int(data.get("live", 0))
         return cost
 

@@ -173,7 +173,8 @@ def cost_to_pb(cost: dict | None) -> pb.VerifyCostTable | None:
     if cost is None:
         return None
     return pb.VerifyCostTable(rows=cost["rows"], seconds=cost["seconds"], mean_batch=cost["mean_batch"],
-                              live=int(cost.get("live", 0)))
+                              live=int(cost.get("live", 0)), mean_rows=cost.get("mean_rows", 1.0),
+                              mean_tokens=cost.get("mean_tokens", 1.0))
 
 
 def cost_from_pb(msg: pb.VerifyCostTable) -> dict | None:
@@ -181,7 +182,7 @@ def cost_from_pb(msg: pb.VerifyCostTable) -> dict | None:
     if not msg.rows or len(msg.rows) != len(msg.seconds):
         return None
     return {"rows": list(msg.rows), "seconds": list(msg.seconds), "mean_batch": msg.mean_batch or 1.0,
-            "live": msg.live}
+            "live": msg.live, "mean_rows": msg.mean_rows or 1.0, "mean_tokens": msg.mean_tokens or 1.0}
 
 
 def ngram_burst_to_pb(spec: NgramBurst | None) -> pb.NgramBurst | None:

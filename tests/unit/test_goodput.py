@@ -373,3 +373,39 @@ def test_cost_model_estimates_never_fall_with_rows():
     c = VerifyCost({1: 0.0685, 2: 0.0591, 3: 0.0612, 5: 0.0629, 9: 0.093})  # a session-19 table
     est = [c.estimate(q) for q in range(1, 10)]
     assert est == sorted(est)
+
+
+def test_the_others_rows_are_what_they_recently_packed_not_one_each():
+    """4 sequences on a CPU whose forward is the weight stream up to ~5 rows and arithmetic past it.
+    Priced beside 3 others at one row each, a draft accepted at 0.35 looks like the 4 -> 5-row step
+    (+2%) and pays; but every sequence drafts, the target packs 2 rows each, and the real step is
+    7 -> 8 rows: the draft must then be accepted at ~0.5 to pay, so k = 0. Alone, nothing changes."""
+    from coordinator.roundpolicy import RoundPolicy
+
+    curve = {"rows": [1, 2, 3, 5, 9, 17], "seconds": [0.040, 0.040, 0.042, 0.044, 0.064, 0.104]}
+    seed = [0.35] + [0.1] * 7
+
+    def k_at(**load):
+        rp = RoundPolicy(k_max=8, rate_book=RateBook())
+        rp.take_cost({**curve, **load})
+        rp.rate_book._rates["ngram"] = list(seed)
+        return rp.k("ngram", 4, limit=50)
+
+    assert k_at(mean_batch=4.0, live=4, mean_rows=1.0, mean_tokens=1.0) == 1  # the others at one row: draft
+    assert k_at(mean_batch=4.0, live=4, mean_rows=2.0, mean_tokens=1.35) == 0  # they draft too: do not
+    assert k_at(mean_batch=1.0, live=1, mean_rows=2.0, mean_tokens=1.35) == 1  # alone: the same as before
+
+
+def test_the_cost_model_tracks_rows_and_tokens_per_sequence():
+    from specmesh.rpc.convert import cost_from_pb, cost_to_pb
+
+    c = VerifyCost({1: 0.04, 9: 0.06})
+    for _ in range(60):
+        c.observe(8, 0.05, batch=4, tokens=6)  # 4 sequences, 2 rows and 1.5 tokens each
+    assert c.mean_rows == pytest.approx(2.0, rel=0.01) and c.mean_tokens == pytest.approx(1.5, rel=0.01)
+    back = cost_from_pb(cost_to_pb(c.as_dict()))
+    assert back["mean_rows"] == pytest.approx(2.0, rel=0.01) and back["mean_tokens"] == pytest.approx(1.5, rel=0.01)
+    # a worker that sends neither (older, or nothing observed): one row and one token each
+    legacy = cost_to_pb(c.as_dict())
+    legacy.ClearField("mean_rows"), legacy.ClearField("mean_tokens")
+    assert cost_from_pb(legacy)["mean_rows"] == 1.0 and cost_from_pb(legacy)["mean_tokens"] == 1.0
