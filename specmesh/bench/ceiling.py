@@ -71,13 +71,12 @@ def ceiling(samples: list[dict], cost, k_max: int, min_n: int, max_n: int, fixed
     """Per category and overall: tokens per round and speed over AR of the oracle and fixed k."""
     sums: dict[str, dict[str, list[float]]] = {}
     for s in samples:
-        for cat in (s["category"] or "-", "all"):
-            for policy, k in (("oracle", None), (f"fixed_k{fixed}", fixed)):
-                tokens, rounds, ms = replay(s["prompt_ids"], s["output_ids"], cost, k_max, min_n, max_n, k)
+        for policy, k in (("oracle", None), (f"fixed_k{fixed}", fixed)):
+            run = replay(s["prompt_ids"], s["output_ids"], cost, k_max, min_n, max_n, k)
+            for cat in (s["category"] or "-", "all"):
                 acc = sums.setdefault(cat, {}).setdefault(policy, [0, 0, 0.0])
-                acc[0] += tokens
-                acc[1] += rounds
-                acc[2] += ms
+                for i, x in enumerate(run):
+                    acc[i] += x
     return {cat: {p: {"tokens_per_round": t / max(r, 1), "speedup_vs_ar": t * cost(1) / ms if ms else 1.0}
                   for p, (t, r, ms) in by.items()} for cat, by in sums.items()}
 

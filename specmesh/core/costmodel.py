@@ -11,8 +11,9 @@ drift (alpha); it moves its own bucket's shape (alpha / 4) only when another buc
 among the last few forwards, i.e. when the machine's speed of the moment is known from more than
 this bucket (a run of one bucket alone cannot tell a slower machine from a dearer bucket, and
 goes to the drift). So a bucket observed rarely still follows the machine, and a bucket observed
-in a loaded minute does not keep that minute's time. This VM's speed moves by up to ~30% between minutes: with one EMA per bucket (until session
-20) the buckets held times from different minutes, and tables like 1 row 68.5 ms, 5 rows 62.9 ms
+in a loaded minute does not keep that minute's time. This VM's speed moves by up to ~30% between
+minutes: with one EMA per bucket (until session 20) the buckets held times from different
+minutes, and tables like 1 row 68.5 ms, 5 rows 62.9 ms
 (the end of a session-19 run) or 1 row 41.8, 2 rows 56.9 ms told the goodput rule that drafts were
 free or dear, while the rows' own times, logged over one run at concurrency 1, kept medians of
 37.6 / 36.7 / 44.7 ms for 1 / 2 / 5 rows. (The even older rule, every bucket multiplied by every
@@ -37,6 +38,7 @@ from __future__ import annotations
 import bisect
 import math
 import threading
+from collections import deque
 
 ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # buckets: a one-token step, chains of k=1..16, a few batches
 RECENT = 4  # a bucket's shape learns when another bucket was among this many last observations
@@ -47,9 +49,10 @@ class VerifyCost:
         self.alpha = alpha  # the drift's EMA weight; a bucket's shape moves at alpha / 4
         self._lock = threading.Lock()
         self._drift = 0.0  # log of the machine's speed now against the shape's (shared)
-        self._recent: list[int] = []  # the buckets of the last RECENT observations
+        self._recent: deque[int] = deque(maxlen=RECENT)  # the buckets of the last RECENT observations
         self._shape: dict[int, float] = {r: math.log(s) for r, s in (seconds or {}).items() if s > 0}
         self.table: dict[int, float] = {}  # seconds per bucket now: exp(shape + drift), by rows
+        self._fit: tuple[list[int], list[float]] = ([], [])  # the table's rows, its monotone fit
         self._refresh()
         self.mean_batch = 1.0
         self.mean_rows = 1.0  # rows per sequence per forward (EMA)
@@ -69,7 +72,7 @@ class VerifyCost:
                 self._drift += self.alpha * (now - self._drift - self._shape[bucket])
                 if any(r != bucket for r in self._recent):  # the drift is known from other buckets too
                     self._shape[bucket] += self.alpha / 4 * (now - self._drift - self._shape[bucket])
-                self._recent = (self._recent + [bucket])[-RECENT:]
+                self._recent.append(bucket)
                 self._refresh()
             self.mean_batch += self.alpha * (batch - self.mean_batch)
             self.mean_rows += self.alpha * (rows / max(1, batch) - self.mean_rows)
@@ -77,7 +80,9 @@ class VerifyCost:
                 self.mean_tokens += self.alpha * (tokens / max(1, batch) - self.mean_tokens)
 
     def _refresh(self) -> None:
+        """The table and its monotone fit from shape and drift (once per change, not per estimate)."""
         self.table = {r: math.exp(s + self._drift) for r, s in sorted(self._shape.items())}
+        self._fit = (list(self.table), monotone(list(self.table.values())))
 
     def seed(self, seconds: dict[int, float]) -> None:
         """Start-up measurements: the buckets' shape at the drift in force."""
@@ -88,10 +93,9 @@ class VerifyCost:
     def estimate(self, rows: float) -> float:
         """Seconds of a forward of `rows` rows (interpolated; 1.0 per row when nothing is known)."""
         with self._lock:
-            pts = list(self.table.items())  # kept sorted by rows
-        if not pts:
+            xs, ys = self._fit  # sorted by rows; replaced whole on change, never mutated
+        if not xs:
             return float(rows)
-        xs, ys = [x for x, _ in pts], monotone([y for _, y in pts])
         if rows <= xs[0]:
             return ys[0]
         if len(xs) == 1:
