@@ -81,16 +81,17 @@ class RoundPolicy:
         draft_s = self.draft_s.get(method, 0.0)
         if method not in AUTOREGRESSIVE_DRAFTERS or draft_s <= 0 or self.cost is None or not self.cost.table:
             return None
-        return max(2, min(self.k_max + 1, round(self.cost.estimate(self._others() + q) / draft_s)))
+        return max(2, min(self.k_max + 1, round(self.cost.estimate(self._beside()[0] + q) / draft_s)))
 
     def predraft_budget_s(self, method: str, q: int) -> float | None:
         """Beside live others, where rounds take only what is drafted already (k), a pre-draft is
         not a fixed length but what the draft tier drafts while the target's forward of this round
         (q positions of ours beside the others') runs: that forward's estimated seconds. None
-        elsewhere (alone, the length is predraft_tokens')."""
+        elsewhere (alone, the length is predraft_tokens'). The others bring the rows they
+        recently packed (_beside), as in the round's own estimate."""
         if self._policy(method) is None or not self._in_step(method):
             return None
-        return self.cost.estimate(self._others() + q)
+        return self.cost.estimate(self._beside()[0] + q)
 
     def _in_step(self, method: str) -> bool:
         """Rounds take only ready pre-drafts (k) and pre-drafts have a time (predraft_budget_s): a

@@ -321,6 +321,9 @@ def test_beside_live_others_with_overlap_a_round_takes_only_what_is_drafted_alre
     assert rp.k("draft_model", 8, limit=50, ready=3) == 3  # extra rows are cheap: all that is ready
     assert rp.k("draft_model", 8, limit=2, ready=3) <= 2
     assert rp.predraft_budget_s("draft_model", 4) == pytest.approx(rp.cost.estimate(3 + 4))
+    packed = policy(4, overlap=True)
+    packed.take_cost({**bf16, "live": 4, "mean_rows": 3.0})  # the others each verify 3 rows a forward
+    assert packed.predraft_budget_s("draft_model", 4) == pytest.approx(packed.cost.estimate(3 * 3 + 4))
     assert rp.predraft_budget_s("ngram", 4) is None  # drafted where the context is: no pre-draft
     assert policy(4, overlap=False).k("draft_model", 8, limit=50) >= 2  # without pre-drafts: the shared price
     assert policy(4, overlap=False).predraft_budget_s("draft_model", 4) is None
