@@ -11,6 +11,7 @@ import logging
 import time
 
 from specmesh.core.features import FeatureFeed
+from specmesh.core.tree import build_tree
 from specmesh.core.types import DraftProposal
 from specmesh.errors import DeadlineExceeded, SpecmeshError
 
@@ -18,9 +19,10 @@ log = logging.getLogger(__name__)
 
 
 class Drafting:
-    """Uses the Generation's req, method, local, drafts, predraft, feed, feature_spec, seq_id,
-    out, stats, rounds, draft_timeout_s, _guess, _drafted_any, _remaining and _wants_features;
-    sets _predrafted (this round's draft was a pre-draft that hit)."""
+    """Uses the Generation's req, method, k, local, drafts, predraft, tails, feed, feature_spec,
+    seq_id, out, stats, rounds, draft_timeout_s, _guess, _drafted_any, _remaining and
+    _wants_features; sets _predrafted (this round's draft was a pre-draft that hit) and, with
+    tails, _table / _tail_waited (this round's tail, and whether the round waited for it)."""
 
     def _draft(self, k: int) -> DraftProposal:
         self._predrafted = False
@@ -37,6 +39,8 @@ class Drafting:
         try:
             timeout = min(self.draft_timeout_s, self._remaining())
             if self._wants_features():
+                if self._tail_mode():
+                    return self._tree_from_table(len(context) - 1, k, timeout)
                 return self._propose_with_features(context, k, timeout)
             return self._remote_chain(context, k, timeout)
         except DeadlineExceeded:
@@ -96,6 +100,63 @@ class Drafting:
             if full:
                 break
         return self._draft_failed("the draft worker holds no target features for the sequence")
+
+    def _tail_mode(self) -> bool:
+        """The block drafter's trees from tables drafted during the previous verify (tails.py)."""
+        return self.tails is not None and self.req.tree_budget > 0 and self._wants_features()
+
+    def _tail_key(self) -> str:
+        """A round's start with tails: settle the table in flight (started a round ago), start this
+        round's, and keep the newest table's tail for this round's tree. -> the round policy's key:
+        the drafter's own where there is no tail (a drafting round waits for its own Propose), else
+        '<drafter>~1' / '~2' (a tail one / two or more positions stale: learnt apart, as they match
+        less often)."""
+        context = self.req.prompt_ids + self.out.token_ids
+        anchor = len(context) - 1  # the pending token's position
+        waited = self.tails.settle(min(self.draft_timeout_s, self._remaining()))
+        self.stats.draft_time_s += waited
+        self.stats.draft_wait_s += waited
+        if self.feed is not None and len(self.feed.window):
+            rows, full = self.feed.outgoing(False)
+            whole, _ = self.feed.outgoing(True)
+            self.feed.sent()  # the next table's delta starts here; a failed send is a miss, then the whole window
+            method, k, round_ = self.method, self.k, self.stats.rounds
+            self.tails.start(anchor, lambda calls: self._table_propose(context, method, k, round_, (rows, full),
+                                                                       whole, calls))
+        got = self.tails.tail(anchor)
+        self._table, self._tail_waited = (None, False) if got is None else (got[1:], waited > 0.002)
+        return self.method if got is None else f"{self.method}~{min(got[0], 2)}"
+
+    def _table_propose(self, context, method, k, round_, feats, whole, calls) -> DraftProposal:
+        """On the executor: a candidate table at context's anchor, with the rows the draft tier lacks
+        (on a miss, once more with the whole window)."""
+        timeout = min(self.draft_timeout_s, self._remaining())
+        for rows in (feats, (whole, True)):
+            draft = self.drafts.propose(self.seq_id, context, k, method, self.req.params, round_, timeout,
+                                        features=rows, tree_budget=self.req.tree_budget, calls=calls, candidates=True)
+            self.stats.draft_feature_bytes += feature_nbytes(rows[0])
+            if not draft.missing_features or rows[1]:
+                return draft
+        return draft
+
+    def _tree_from_table(self, anchor: int, k: int, timeout: float) -> DraftProposal:
+        """This round's tree (rounds.nodes nodes, depth <= k): from the tail found at the round's
+        start, else (none) from this round's own table, waited for."""
+        if self._table is not None:
+            self.stats.predraft_hits += 1
+            self.stats.draft_waits += self._tail_waited
+        else:
+            self.stats.predraft_misses += 1
+            self.stats.draft_waits += 1
+            if not self.tails.pending_at(anchor):  # nothing in flight: the feed had no rows to send
+                return self._draft_failed("no candidate table for the sequence")
+            self.stats.draft_wait_s += self.tails.settle(timeout)
+            got = self.tails.tail(anchor)
+            if got is None:
+                return self._draft_failed("the draft tier returned no candidate table")
+            self._table = got[1:]
+        tree = build_tree(*self._table, self.rounds.nodes, max_depth=k)
+        return DraftProposal(tree.tokens, None, tree.parents)
 
     def _take_features(self, rows) -> None:
         """rows: [n+1, F] features of the slots a verify round committed (before its tokens are emitted)."""

@@ -75,14 +75,15 @@ class GrpcDraftPool:
 
     def propose(self, seq_id: str, context: list[int], k: int, method: str, params: SamplingParams,
                 round_: int, timeout: float, features=None, tree_budget: int = 0, calls=None,
-                budget_s: float = 0.0) -> DraftProposal:
+                budget_s: float = 0.0, candidates: bool = False) -> DraftProposal:
         """features: (rows [r, F], complete) for the block drafter (ProposeRequest.features).
         calls: a list the in-flight call is appended to, for a caller that may cancel it.
-        budget_s > 0: up to k tokens, those drafted within budget_s (ProposeRequest.budget_s)."""
+        budget_s > 0: up to k tokens, those drafted within budget_s (ProposeRequest.budget_s).
+        candidates: a block drafter's candidate table instead of a tree (ProposeRequest.candidates)."""
         member = self._pick(seq_id, method)
         req = pb.ProposeRequest(seq_id=seq_id, context=context, num_tokens=k, method=method,
                                 sampling=sampling_to_pb(params), round=round_, tree_budget=tree_budget,
-                                budget_s=budget_s)
+                                budget_s=budget_s, candidates=candidates)
         if features is not None and features[0] is not None:
             req.features.CopyFrom(features_to_pb(features[0]))
             req.features_complete = features[1]
@@ -102,7 +103,8 @@ class GrpcDraftPool:
         finally:
             self.members.done(member)
         return proposal_from_pb(resp.token_ids, resp.probs, resp.vocab_size, resp.parents, resp.features_missing,
-                                sparse=resp.sparse_probs if resp.HasField("sparse_probs") else None)
+                                sparse=resp.sparse_probs if resp.HasField("sparse_probs") else None,
+                                candidates=resp.candidates if resp.HasField("candidates") else None)
 
     def release(self, seq_id: str) -> None:
         # best effort and asynchronous: the draft cache is only an optimisation (LRU-bounded)

@@ -32,6 +32,7 @@ from typing import Iterator, Protocol
 
 from specmesh.config import FEATURE_DRAFTERS
 from coordinator.drafting import Drafting, feature_nbytes
+from coordinator.tails import Tails
 from coordinator.predraft import Predrafter
 from coordinator.roundpolicy import RoundPolicy
 from specmesh.core.features import FeatureFeed
@@ -72,7 +73,7 @@ class Generation(Drafting):
                  tokenizer, eos_token_ids: set[int], draft_timeout_s: float, is_active=lambda: True,
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
                  control=None, observer=None, feature_spec: FeatureSpec | None = None,
-                 rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None,
+                 rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None, tables=None,
                  decode_steps: int = 1, lookup: tuple[int, int] | None = None):
         self.req, self.target, self.drafts = req, target, drafts
         self.decode_steps = decode_steps  # target steps per Verify call in a burst (_burst)
@@ -88,6 +89,11 @@ class Generation(Drafting):
                                                                    budget_s=budget_s), overlap)
         # k per round: fixed, or for goodput (req.k_max > 0) from the target's cost model (a tree: n
         # of its node budget's nodes, rounds.nodes)
+        # tables: an Executor for the block drafter's trees from candidate tables drafted during the
+        # previous verify (tails.py); None: off
+        self.tails = None if tables is None or drafts is None else Tails(tables)
+        self._table, self._tail_waited = None, False
+        self._key = req.method  # the round policy's key this round (tails: per staleness)
         self.rounds = RoundPolicy(req.k_max, rate_book, control, tree_budget=req.tree_budget,
                                   overlap=self.predraft is not None)
         self._predrafted = False  # this round's draft was a pre-draft that hit
@@ -151,7 +157,8 @@ class Generation(Drafting):
         if self.predraft is not None and self.method not in self.local:
             context = self.req.prompt_ids + self.out.token_ids
             ready, coming = self.predraft.ready(context), self.predraft.in_flight(context)
-        k = self.rounds.k(self.method, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready,
+        self._key = self._tail_key() if self._tail_mode() else self.method  # the round policy's key
+        k = self.rounds.k(self._key, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready,
                           coming=coming)
         drafted = self.rounds.nodes if k and self.req.tree_budget > 0 else k  # a tree's k: its nodes
         self.stats.chosen_k[drafted] = self.stats.chosen_k.get(drafted, 0) + 1
@@ -173,7 +180,9 @@ class Generation(Drafting):
         left = max(1, self.req.max_tokens - len(self.out.token_ids))
         if self.lookup is not None and self.method == "ngram" and self.method in self.local:
             return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left)
-        predrafting = self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
+        # (a burst would leave the next round's table as many positions stale as it steps)
+        predrafting = (self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0) \
+            or self._tail_mode()
         if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):
             return min(self.decode_steps, left), None
         return 1, None
@@ -203,10 +212,10 @@ class Generation(Drafting):
         finally:
             self.stats.verify_time_s += time.monotonic() - t0
         self.rounds.take_cost(outcome.cost)
-        self.rounds.learn(self.method, draft, outcome.accepted,
+        self.rounds.learn(self._key, draft, outcome.accepted,
                           None if self._predrafted else self.stats.draft_time_s - draft_s, emitted=outcome.tokens)
         steps = self._record(draft, outcome)
-        if self.predraft is not None:
+        if self.predraft is not None and not self._tail_mode():  # (tails count in stats directly)
             self._predraft_stats()
         if self.observer is not None:  # per target step (a burst: each its share of the call's time)
             took = (time.monotonic() - t0) / len(steps)
@@ -302,7 +311,9 @@ class Generation(Drafting):
             log.info("release of %s on a failed target: %s", self.seq_id, exc)
 
     def _release(self) -> None:
-        if self.predraft is not None:
+        if self.tails is not None:
+            self.tails.drop()
+        if self.predraft is not None and not self._tail_mode():
             self.predraft.drop()
             self._predraft_stats()
         try:

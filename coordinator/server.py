@@ -57,9 +57,11 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         spec = cfg.speculative  # what the block drafter reads: asked of the target, sent on to the draft tier
         self.feature_spec = FeatureSpec(tuple(spec.feature_layers), spec.feature_window)
         self.rate_book = RateBook()  # per-drafter acceptance rates, seeding each request's goodput k
-        # pre-drafting (coordinator.overlap_drafting): one Propose in flight per request at most
-        self.predraft_pool = (ThreadPoolExecutor(cfg.coordinator.max_workers, thread_name_prefix="predraft")
-                              if cfg.coordinator.overlap_drafting else None)
+        # pre-drafting (coordinator.overlap_drafting) and block tables (coordinator.block_tables): one
+        # Propose in flight per request at most
+        c = cfg.coordinator
+        self.predraft_pool = (ThreadPoolExecutor(c.max_workers, thread_name_prefix="predraft")
+                              if c.overlap_drafting or c.block_tables else None)
         ng = cfg.draft_worker.ngram  # n-gram drafts here, next to the context: no Propose hop
         self.local_drafters = ({"ngram": lambda context, k: propose_ngram(context, k, ng.min_n, ng.max_n)}
                                if cfg.coordinator.local_ngram else {})
@@ -91,7 +93,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                           max_reroutes=c.max_target_failovers, target_timeout_s=c.target_call_timeout_s,
                           control=self.control, observer=functools.partial(observe.on_round, arm=arm),
                           feature_spec=self.feature_spec, rate_book=self.rate_book,
-                          local_drafters=self.local_drafters, overlap=self.predraft_pool,
+                          local_drafters=self.local_drafters,
+                          overlap=self.predraft_pool if c.overlap_drafting else None,
+                          tables=self.predraft_pool if c.block_tables else None,
                           decode_steps=c.decode_steps, lookup=self.lookup), arm
 
     def _final(self, gen: Generation, tel, cls, **fields):

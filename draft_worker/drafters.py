@@ -40,6 +40,7 @@ class ProposeJob:
     tree_budget: int = 0  # > 0: a draft tree of at most this many nodes (block drafter)
     alive: Callable[[], bool] = lambda: True  # False once the caller cancelled: stop drafting for it
     stop_at: float = 0.0  # > 0: time.monotonic() by which to answer with what is drafted (model drafter)
+    candidates: bool = False  # block with tree_budget > 0: the candidate table of every position, no tree
 
 
 class NgramDrafter:
@@ -101,6 +102,7 @@ class BlockDrafter(_BatchedDrafter):
     (DraftProposal.missing_features) and the coordinator resends its whole window."""
 
     name = "block"
+    drafts_candidates = True  # all block positions in one forward: a candidate table (ProposeJob.candidates)
 
     def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024,
                  cpu_kernel: bool = False):
@@ -117,7 +119,7 @@ class BlockDrafter(_BatchedDrafter):
         window = self._window(job)
         if window is None:
             return DraftProposal([], None, missing_features=True)
-        if job.k == 0:
+        if job.k == 0 and not job.candidates:
             return DraftProposal([], None)
         return _wait(self.batcher.submit("propose", (job, window)), timeout)
 
@@ -148,14 +150,15 @@ class BlockDrafter(_BatchedDrafter):
         hidden = self.model.hidden(self.model.block_ids(last), torch.stack(feats).to(device),
                                    torch.stack(valid).to(device))
         head = self.model.lm_head
-        depths = [min(job.k, self.max_k) for job, _ in items]
+        depths = [self.max_k if job.candidates else min(job.k, self.max_k) for job, _ in items]
         rows = torch.cat([hidden[b, 1: 1 + d] for b, d in enumerate(depths)])  # [sum depths, H]
         # every job's rows through the head at once: one read of its weights (the kernel where packed)
         rows = rows.to(head.weight.dtype)
         logits = (cpu_gemm.apply(head, rows) if self.cpu_kernel else head(rows)).float().cpu()  # [sum depths, V]
         out = []
         for (job, _), part in zip(items, logits.split(depths)):  # part: [depth, V]
-            out.append(self._tree(job, part) if job.tree_budget > 0 else self._chain(job, part))
+            out.append(self._candidates(job, part) if job.candidates
+                       else self._tree(job, part) if job.tree_budget > 0 else self._chain(job, part))
         return out
 
     @staticmethod
@@ -171,11 +174,20 @@ class BlockDrafter(_BatchedDrafter):
         return DraftProposal(sample(q, gen).tolist(), q)
 
     @staticmethod
-    def _tree(job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
-        """logits: [D, V] -> a best-first tree over the per-position top-k (specmesh.core.tree),
-        ranked by log q (warped at T > 0, so cut tokens are never drafted). The target walks it
-        without draft probabilities (lossless for any tree)."""
+    def _top(job: ProposeJob, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [D, V] -> (log q, tokens), each [D, K]: every position's top K = tree_budget by
+        log q (warped at T > 0, so cut tokens never appear), descending."""
         logq = torch.log_softmax(logits, dim=-1) if job.params.greedy else warp_logits(logits, job.params).log()
-        top_lp, top_tok = logq.topk(min(job.tree_budget, logq.shape[-1]), dim=-1)  # [D, K] each
-        tree = build_tree(top_lp, top_tok, job.tree_budget)
+        return logq.topk(min(job.tree_budget, logq.shape[-1]), dim=-1)
+
+    @classmethod
+    def _tree(cls, job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
+        """logits: [D, V] -> a best-first tree over the per-position top-k (specmesh.core.tree).
+        The target walks it without draft probabilities (lossless for any tree)."""
+        tree = build_tree(*cls._top(job, logits), job.tree_budget)
         return DraftProposal(tree.tokens, None, tree.parents)
+
+    @classmethod
+    def _candidates(cls, job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
+        """logits: [block_size - 1, V] -> the table _tree builds from, for every block position."""
+        return DraftProposal([], None, candidates=cls._top(job, logits))

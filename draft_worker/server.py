@@ -16,7 +16,7 @@ from specmesh.engine import cpu_gemm, quant  # quant.quantize: cached, its bytes
 from specmesh.engine.loader import load_draft_model
 from specmesh.errors import InvalidArgument, ModelIntegrityError
 from specmesh.config import MAX_SEQ_ID_CHARS, MAX_TREE_BUDGET
-from specmesh.rpc.convert import checked_sampling_from_pb, features_from_pb, probs_to_wire
+from specmesh.rpc.convert import candidates_to_pb, checked_sampling_from_pb, features_from_pb, probs_to_wire
 from specmesh.registry.worker import DrainingService, WorkerLifecycle
 from specmesh.rpc.admission import deadline_from
 from specmesh.rpc.server import service_options
@@ -68,12 +68,16 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
             raise InvalidArgument("budget_s", f"must be in [0, {MAX_BUDGET_S}] seconds")
         if len(request.seq_id) > MAX_SEQ_ID_CHARS:
             raise InvalidArgument("seq_id", f"at most {MAX_SEQ_ID_CHARS} characters")
+        if request.candidates and not (getattr(drafter, "drafts_candidates", False) and request.tree_budget > 0):
+            raise InvalidArgument("candidates", "needs a drafter that drafts its positions in parallel (block) "
+                                                "and tree_budget > 0 (the table's width)")
         _check_context(drafter, request.context)
         job = ProposeJob(request.seq_id, list(request.context), request.num_tokens,
                          checked_sampling_from_pb(request.sampling), request.round,
                          features_from_pb(request.features), request.features_complete, request.tree_budget,
                          alive=context.is_active,
-                         stop_at=time.monotonic() + request.budget_s if request.budget_s > 0 else 0.0)
+                         stop_at=time.monotonic() + request.budget_s if request.budget_s > 0 else 0.0,
+                         candidates=request.candidates)
         draft = drafter.propose(job, timeout=context.time_remaining())
         set_attributes({"specmesh.drafter": request.method, "specmesh.seq_id": request.seq_id,
                         "specmesh.num_speculative_tokens": request.num_tokens,
@@ -81,7 +85,8 @@ class DraftWorkerServicer(pb_grpc.DraftWorkerServicer):
         vocab = getattr(drafter, "vocab_size", 0) if draft.probs is not None else 0
         dense, sparse = probs_to_wire(draft.probs)  # a truncated proposal travels sparse
         return pb.ProposeResponse(token_ids=draft.token_ids, probs=dense, sparse_probs=sparse, vocab_size=vocab,
-                                  features_missing=draft.missing_features, parents=draft.parents or [])
+                                  features_missing=draft.missing_features, parents=draft.parents or [],
+                                  candidates=candidates_to_pb(draft.candidates))
 
     def Release(self, request, context):
         for drafter in self.drafters.values():

@@ -205,6 +205,9 @@ class CoordinatorConfig:
     # draft round r+1 while the target verifies round r, on the guess that r is accepted in full
     # (coordinator/predraft.py; remote chain drafters); opt-in until its benchmarks land
     overlap_drafting: bool = False
+    # the block drafter's draft trees from the candidate table drafted while the target verified the
+    # round before (coordinator/tails.py): no round waits for a Propose but the first
+    block_tables: bool = True
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # the speculation canary (docs/rollout.md)
 
     def validate(self, key: str) -> None:

@@ -195,7 +195,9 @@ def predrafts(records: list[RequestRecord]) -> dict | None:
         return None
     rounds = sum(int(s.get("rounds", 0)) for s in spec)
     return {"hits": hits, "misses": misses, "hit_rate": hits / (hits + misses),
-            "wait_s_per_round": sum(float(s.get("draft_wait_s", 0.0)) for s in spec) / max(1, rounds)}
+            "wait_s_per_round": sum(float(s.get("draft_wait_s", 0.0)) for s in spec) / max(1, rounds),
+            # block candidate tables: share of all rounds that waited for their draft
+            "waited_share": sum(int(s.get("draft_waits", 0)) for s in spec) / max(1, rounds)}
 
 
 def aggregate(records: list[RequestRecord], wall_s: float) -> dict:

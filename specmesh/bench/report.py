@@ -116,8 +116,10 @@ def acceptance_section(doc: dict) -> list[str]:
             zero = ks.get("0", 0) / max(1, sum(ks.values()))
             chosen = "; chosen k {" + " ".join(f"{k}:{v}" for k, v in ks.items()) + f"}} (k = 0 in {zero:.0%} of rounds)"
         pre = r.get("predraft")
-        pre = (f"; pre-drafts {pre['hits']} hit / {pre['misses']} dropped ({pre['hit_rate']:.0%}), "
-               f"{pre['wait_s_per_round'] * 1e3:.0f} ms waited for a hit per round" if pre else "")
+        pre = (f"; pre-drafts {pre['hits']} hit / {pre['misses']} missed ({pre['hit_rate']:.0%}), "
+               f"{pre['wait_s_per_round'] * 1e3:.0f} ms waited for a hit per round"
+               + (f", {pre['waited_share']:.0%} of rounds waited for a draft" if pre.get("waited_share") else "")
+               if pre else "")
         lines.append(f"- {_label(r)} @ {_level(r)}: per-position acceptance [{pos}]; "
                      f"acceptance-length histogram {{{hist}}}{chosen}{frac}{pre}")
     return (["", "### Acceptance"] + lines) if lines else []

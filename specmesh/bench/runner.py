@@ -67,6 +67,7 @@ def spec_to_dict(spec: pb.SpecStats) -> dict:
         "predraft_hits": spec.predraft_hits,
         "predraft_misses": spec.predraft_misses,
         "draft_wait_s": spec.draft_wait_s,
+        "draft_waits": spec.draft_waits,
     }
 
 

@@ -47,6 +47,9 @@ class DraftProposal:
     parents: list[int] | None = None
     # The drafter needs target features it does not hold (block drafter cache miss): resend.
     missing_features: bool = False
+    # A block drafter's candidate table (log q [D, W], token ids [D, W]; row d = draft position
+    # d + 1, descending): asked for instead of a tree; trees are built from it (core/tree.py).
+    candidates: tuple[torch.Tensor, torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -119,8 +122,11 @@ class SpecStats:
     draft_feature_bytes: int = 0  # target features sent on to the draft tier
     chosen_k: dict[int, int] = field(default_factory=dict)  # k drafted per round (a tree: nodes) -> rounds
     predraft_hits: int = 0  # overlap: rounds whose draft was drafted during the previous verify
-    predraft_misses: int = 0  # overlap: pre-drafts dropped (the previous round was not accepted in full)
-    draft_wait_s: float = 0.0  # overlap: time rounds waited for a pre-draft still in flight
+    # overlap: pre-drafts dropped (the previous round was not accepted in full); block tables:
+    # drafting rounds without a tail, which waited for a table made then
+    predraft_misses: int = 0
+    draft_wait_s: float = 0.0  # overlap: time rounds waited for a pre-draft (a table) still in flight
+    draft_waits: int = 0  # block tables: drafting rounds that waited for their draft (> 2 ms)
 
     def record(self, drafted: int, accepted: int, emitted: int, positions: int | None = None) -> None:
         """positions: draft positions (depths) of the round; default = drafted (a chain). A draft

@@ -99,8 +99,9 @@ def check_rows(probs: torch.Tensor, tokens: list[int], field: str) -> torch.Tens
 
 
 def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missing_features: bool = False,
-                     sparse: pb.SparseProbs | None = None) -> DraftProposal:
-    """parents: a draft tree's parent list (empty = a chain); sparse: the rows in sparse form."""
+                     sparse: pb.SparseProbs | None = None, candidates: pb.Candidates | None = None) -> DraftProposal:
+    """parents: a draft tree's parent list (empty = a chain); sparse: the rows in sparse form;
+    candidates: a block drafter's candidate table (ProposeRequest.candidates)."""
     tokens = list(token_ids)
     tree = list(parents) or None
     if tree is not None and len(tree) != len(tokens):
@@ -111,7 +112,35 @@ def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missi
         dist = probs_from_bytes(probs, len(tokens), vocab_size)
         if dist is not None:
             check_rows(dist, tokens, "draft_probs")
-    return DraftProposal(tokens, dist, tree, missing_features)
+    table = candidates_from_pb(candidates) if candidates is not None else None
+    return DraftProposal(tokens, dist, tree, missing_features, table)
+
+
+def candidates_to_pb(table: tuple[torch.Tensor, torch.Tensor] | None) -> pb.Candidates | None:
+    """(log q [D, W], tokens [D, W]) -> Candidates (None -> None)."""
+    if table is None:
+        return None
+    logq, tokens = table
+    return pb.Candidates(depth=logq.shape[0], width=logq.shape[1], logprobs=logq.float().flatten().tolist(),
+                         token_ids=tokens.flatten().tolist())
+
+
+def candidates_from_pb(msg: pb.Candidates, vocab_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Candidates -> (log q [D, W] float32, tokens [D, W] int64), checked; None when empty."""
+    if msg.depth == 0:
+        return None
+    shape = (msg.depth, msg.width)
+    if msg.depth < 0 or msg.width <= 0 or len(msg.logprobs) != shape[0] * shape[1] \
+            or len(msg.token_ids) != shape[0] * shape[1]:
+        raise InvalidArgument("candidates", f"want {shape[0]} x {shape[1]} log-probabilities and tokens, got "
+                                            f"{len(msg.logprobs)} and {len(msg.token_ids)}")
+    logq = torch.tensor(list(msg.logprobs), dtype=torch.float32).view(shape)
+    tokens = torch.tensor(list(msg.token_ids), dtype=torch.long).view(shape)
+    if (tokens < 0).any() or (vocab_size and (tokens >= vocab_size).any()):
+        raise InvalidArgument("candidates", "token ids outside the vocabulary")
+    if torch.isnan(logq).any() or (logq > 0).any() or (logq[:, 1:] > logq[:, :-1]).any():
+        raise InvalidArgument("candidates", "log-probabilities must be <= 0 and descending in each row")
+    return logq, tokens
 
 
 def features_to_pb(rows: torch.Tensor | None) -> pb.FeatureRows | None:
@@ -165,6 +194,7 @@ def stats_to_pb(stats: SpecStats, method: str) -> pb.SpecStats:
         predraft_hits=stats.predraft_hits,
         predraft_misses=stats.predraft_misses,
         draft_wait_s=stats.draft_wait_s,
+        draft_waits=stats.draft_waits,
     )
 
 

@@ -90,10 +90,11 @@ def test_aggregate_counts_errors_and_throughput():
 
 
 def test_predraft_hit_rate_and_wait_per_round():
-    a = rec([0.1], [1], 1.0, spec={"rounds": 6, "predraft_hits": 3, "predraft_misses": 1, "draft_wait_s": 0.3})
+    a = rec([0.1], [1], 1.0, spec={"rounds": 6, "predraft_hits": 3, "predraft_misses": 1, "draft_wait_s": 0.3,
+                                   "draft_waits": 2})
     b = rec([0.1], [1], 1.0, spec={"rounds": 4, "predraft_hits": 1, "predraft_misses": 3, "draft_wait_s": 0.1})
     assert metrics.predrafts([a, b]) == {"hits": 4, "misses": 4, "hit_rate": 0.5,
-                                         "wait_s_per_round": pytest.approx(0.04)}
+                                         "wait_s_per_round": pytest.approx(0.04), "waited_share": 0.2}
 
 
 def test_speedup_and_break_even():

@@ -1,0 +1,176 @@
+"""The block drafter overlapped with verification through candidate tables (coordinator/tails.py):
+each round drafts its tree from the rows of the table made during the previous verify that reach
+past this round's anchor, and starts the next table; the draft worker answers a table for every
+block position (ProposeRequest.candidates) from the same forward it drafts trees from."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+
+import pytest
+import torch
+
+from coordinator.loop import Generation
+from coordinator.tails import Tails
+from specmesh.core.features import FeatureWindow
+from specmesh.core.tree import build_tree, walk_tree
+from specmesh.core.types import DraftProposal, FeatureSpec, GenerationRequest, PrefillOutcome, SamplingParams, VerifyOutcome
+from specmesh.errors import InvalidArgument, Unavailable
+from specmesh.rpc.convert import candidates_from_pb, candidates_to_pb
+from tests.unit.test_block_worker import F, W, drafter, job, positions, rows  # noqa: F401 - drafter: a fixture
+
+PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
+SCRIPT = [(i % 20) + 10 for i in range(100)]
+DEPTH = 7  # a block of 8: 7 draft positions per table
+
+
+class TreeTarget:
+    """Greedy continuation SCRIPT; walks a draft tree (or a chain) by it; feature rows = positions."""
+
+    def __init__(self):
+        self.emitted = 0
+
+    def prefill_outcome(self, seq_id, prompt, params, timeout, features=None, max_new_tokens=0):
+        self.emitted = 1
+        return PrefillOutcome(SCRIPT[0], rows(max(0, len(prompt) - W), len(prompt)))
+
+    def verify(self, seq_id, draft, timeout, features=None):
+        p = self.emitted
+        parents = draft.parents if draft.parents is not None else list(range(-1, len(draft.token_ids) - 1))
+        depth = [0]
+        for q in parents:
+            depth.append(depth[q + 1] + 1)
+        path, emitted = walk_tree(draft.token_ids, parents, lambda j: SCRIPT[p + depth[j]])
+        committed = len(PROMPT) + p - 1
+        self.emitted = p + len(emitted)
+        return VerifyOutcome(len(path) - 1, emitted, False, rows(committed, committed + len(emitted)))
+
+    def release(self, seq_id):
+        pass
+
+
+class TableDrafts:
+    """A draft tier answering candidate tables: at anchor a, row d holds SCRIPT's token for
+    position a + 1 + d first and a wrong one second; checks the feature rows it is sent."""
+
+    def __init__(self, fail: bool = False):
+        self.window, self.fail, self.calls = None, fail, []
+
+    def propose(self, seq_id, context, k, method, params, round_, timeout, features=None, tree_budget=0,
+                calls=None, candidates=False):
+        self.calls.append((len(context), features[1], candidates))
+        if self.fail:
+            raise Unavailable("draft tier down")
+        feats, complete = features
+        end = len(context) - 1
+        if complete:
+            self.window = FeatureWindow(W, feats, end)
+        elif self.window is None or not self.window.extend(feats, end):
+            return DraftProposal([], None, missing_features=True)
+        assert positions(self.window.rows) == list(range(max(0, end - W), end))
+        p = len(context) - len(PROMPT)  # SCRIPT[p] is position end + 1's token
+        right = torch.tensor(SCRIPT[p:p + DEPTH])
+        table = torch.stack([right, right + 50], dim=1)  # [D, 2]: the right token, then a wrong one
+        logq = torch.tensor([[-0.1, -2.0]]).expand(DEPTH, 2)
+        return DraftProposal([], None, candidates=(logq, table))
+
+    def release(self, seq_id):
+        pass
+
+
+def generate(drafts, k: int = 2, max_tokens: int = 30):
+    req = GenerationRequest(list(PROMPT), max_tokens, SamplingParams(), "block", k, request_id="r", tree_budget=4)
+    with ThreadPoolExecutor(2) as pool:
+        gen = Generation(req, TreeTarget(), drafts, type("Tok", (), {"decode": lambda self, ids, **kw: ""})(), {99},
+                         5.0, feature_spec=FeatureSpec((0, 1), W), tables=pool)
+        list(gen.run())
+    return gen
+
+
+def test_rounds_draft_from_the_previous_tables_tail_at_the_right_offset():
+    gen = generate(TableDrafts())
+    assert gen.out.token_ids == SCRIPT[:30]
+    s = gen.stats
+    # the first round after the prefill has no tail and waits for its own table; every later one
+    # drafts from the tail of the table made during the previous verify
+    assert s.predraft_misses == 1 and s.predraft_hits == s.rounds - 1 and s.draft_waits >= 1
+    # every tree accepted its full depth: the tail's rows were the anchor's positions (a row off
+    # would put the right token one depth early or late: the tree's path would miss it)
+    assert s.accepted_per_position == s.drafted_per_position and s.accepted_tokens > s.rounds
+    assert s.draft_failures == 0
+
+
+def test_every_round_starts_one_table_with_the_rows_committed_since_the_last():
+    drafts = TableDrafts()
+    gen = generate(drafts)
+    assert all(c for _, _, c in drafts.calls)  # candidate tables only
+    assert drafts.calls[0][1] is True  # the prefill's window, whole
+    assert not any(complete for _, complete, _ in drafts.calls[1:])  # then deltas only (checked by the tier)
+    # one table per round (its last may be cancelled at the end); anchors strictly grow
+    assert gen.stats.rounds <= len(drafts.calls) <= gen.stats.rounds + 1
+    assert [n for n, _, _ in drafts.calls] == sorted({n for n, _, _ in drafts.calls})
+
+
+def test_a_failed_draft_tier_leaves_the_target_alone_and_the_output_exact():
+    gen = generate(TableDrafts(fail=True))
+    assert gen.out.token_ids == SCRIPT[:30]
+    assert gen.stats.accepted_tokens == 0 and gen.stats.draft_failures >= 1
+
+
+def test_tails_offsets_and_drop():
+    pool = ThreadPoolExecutor(1)
+    tails = Tails(pool)
+    logq, toks = torch.zeros(DEPTH, 2), torch.arange(DEPTH * 2).view(DEPTH, 2)
+    tails.start(10, lambda calls: DraftProposal([], None, candidates=(logq, toks)))
+    assert tails.pending_at(10) and tails.tail(10) is None  # not settled yet
+    assert tails.settle(1.0) >= 0 and not tails.pending_at(10)
+    off, lq, tk = tails.tail(13)
+    assert off == 3 and torch.equal(tk, toks[3:]) and lq.shape == (DEPTH - 3, 2)
+    assert tails.tail(10 + DEPTH) is None and tails.tail(9) is None  # past the table / before it
+
+    class Call:
+        cancelled = False
+
+        def cancel(self):
+            self.cancelled = True
+
+    call = Call()
+    started = ThreadPoolExecutor(1)
+    blocker = started.submit(lambda: __import__("time").sleep(0.2))
+    tails2 = Tails(started)
+    tails2.start(5, lambda calls: calls.append(call) or DraftProposal([]))
+    tails2.drop()  # queued behind the blocker: never runs
+    blocker.result()
+    started.shutdown(wait=True)
+    assert not tails2.pending_at(5)
+    pool.shutdown()
+
+
+def test_the_worker_answers_every_positions_candidates_the_tree_is_built_from(drafter):  # noqa: F811
+    tree = drafter.propose(job("t", 9, rows(2, 8), complete=True, k=4, tree=6))
+    table = drafter.propose(replace(job("u", 9, rows(2, 8), complete=True, k=1, tree=6), candidates=True))
+    logq, toks = table.candidates
+    assert table.token_ids == [] and logq.shape == toks.shape == (4, 6)  # block of 5: 4 positions, width 6
+    assert (logq[:, 1:] <= logq[:, :-1]).all()
+    again = build_tree(logq, toks, 6)
+    assert again.tokens == tree.token_ids and again.parents == tree.parents
+
+
+def test_candidates_travel_and_are_checked():
+    logq = torch.tensor([[-0.1, -2.0], [-0.5, -0.7]])
+    toks = torch.tensor([[3, 4], [5, 6]])
+    back = candidates_from_pb(candidates_to_pb((logq, toks)), vocab_size=10)
+    assert torch.equal(back[1], toks) and torch.allclose(back[0], logq)
+    assert candidates_to_pb(None) is None
+    bad = candidates_to_pb((logq, toks))
+    bad.token_ids[0] = 12
+    with pytest.raises(InvalidArgument):
+        candidates_from_pb(bad, vocab_size=10)
+    unsorted = candidates_to_pb((logq.flip(-1), toks))
+    with pytest.raises(InvalidArgument):
+        candidates_from_pb(unsorted)
+    short = candidates_to_pb((logq, toks))
+    short.depth = 3
+    with pytest.raises(InvalidArgument):
+        candidates_from_pb(short)
