@@ -40,7 +40,7 @@ class Drafting:
             timeout = min(self.draft_timeout_s, self._remaining())
             if self._wants_features():
                 if self._tail_mode():
-                    return self._tree_from_table(len(context) - 1, k, timeout)
+                    return self._tree_from_table(context, k, timeout)
                 return self._propose_with_features(context, k, timeout)
             return self._remote_chain(context, k, timeout)
         except DeadlineExceeded:
@@ -106,26 +106,31 @@ class Drafting:
         return self.tails is not None and self.req.tree_budget > 0 and self._wants_features()
 
     def _tail_key(self) -> str:
-        """A round's start with tails: settle the table in flight (started a round ago), start this
-        round's, and keep the newest table's tail for this round's tree. -> the round policy's key:
+        """A round's start with tails: settle the table in flight (started by the last round, which
+        drafted) and keep the newest table's tail for this round's tree. -> the round policy's key:
         the drafter's own where there is no tail (a drafting round waits for its own Propose), else
         '<drafter>~1' / '~2' (a tail one / two or more positions stale: learnt apart, as they match
         less often)."""
-        context = self.req.prompt_ids + self.out.token_ids
-        anchor = len(context) - 1  # the pending token's position
+        anchor = len(self.req.prompt_ids) + len(self.out.token_ids) - 1  # the pending token's position
         waited = self.tails.settle(min(self.draft_timeout_s, self._remaining()))
         self.stats.draft_time_s += waited
         self.stats.draft_wait_s += waited
-        if self.feed is not None and len(self.feed.window):
-            rows, full = self.feed.outgoing(False)
-            whole, _ = self.feed.outgoing(True)
-            self.feed.sent()  # the next table's delta starts here; a failed send is a miss, then the whole window
-            method, k, round_ = self.method, self.k, self.stats.rounds
-            self.tails.start(anchor, lambda calls: self._table_propose(context, method, k, round_, (rows, full),
-                                                                       whole, calls))
         got = self.tails.tail(anchor)
         self._table, self._tail_waited = (None, False) if got is None else (got[1:], waited > 0.002)
         return self.method if got is None else f"{self.method}~{min(got[0], 2)}"
+
+    def _start_table(self, context: list[int]) -> bool:
+        """Start the candidate table at context's anchor, with the feature rows the draft tier
+        lacks; False when there are none yet (switched to the block drafter mid-request)."""
+        if self.feed is None or len(self.feed.window) == 0:
+            return False
+        rows, full = self.feed.outgoing(False)
+        whole, _ = self.feed.outgoing(True)
+        self.feed.sent()  # the next table's delta starts here; a failed send is a miss, then the whole window
+        method, k, round_ = self.method, self.k, self.stats.rounds
+        self.tails.start(len(context) - 1, lambda calls: self._table_propose(context, method, k, round_, (rows, full),
+                                                                             whole, calls))
+        return True
 
     def _table_propose(self, context, method, k, round_, feats, whole, calls) -> DraftProposal:
         """On the executor: a candidate table at context's anchor, with the rows the draft tier lacks
@@ -139,19 +144,24 @@ class Drafting:
                 return draft
         return draft
 
-    def _tree_from_table(self, anchor: int, k: int, timeout: float) -> DraftProposal:
+    def _tree_from_table(self, context: list[int], k: int, timeout: float) -> DraftProposal:
         """This round's tree (rounds.nodes nodes, depth <= k): from the tail found at the round's
-        start, else (none) from this round's own table, waited for."""
+        start, starting the next round's table (drafted while the target verifies this one); else
+        (no tail) from a table at this anchor, waited for, which the next round's tail comes from.
+        Rounds that draft nothing start no table: at load, where goodput leaves most rounds without
+        a draft, the draft tier then stays idle instead of taking CPU from the target (a table
+        every round: 0.76x / 0.62x AR at concurrency 4 / 16, docs/bench/round_policy.md#session-21)."""
         if self._table is not None:
             self.stats.predraft_hits += 1
             self.stats.draft_waits += self._tail_waited
+            self._start_table(context)
         else:
+            if not self._start_table(context):  # no feature rows to send yet: switched to the
+                return DraftProposal([], None)  # block drafter mid-request; features next round
             self.stats.predraft_misses += 1
             self.stats.draft_waits += 1
-            if not self.tails.pending_at(anchor):  # nothing in flight: the feed had no rows to send
-                return self._draft_failed("no candidate table for the sequence")
             self.stats.draft_wait_s += self.tails.settle(timeout)
-            got = self.tails.tail(anchor)
+            got = self.tails.tail(len(context) - 1)
             if got is None:
                 return self._draft_failed("the draft tier returned no candidate table")
             self._table = got[1:]

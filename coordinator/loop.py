@@ -180,9 +180,7 @@ class Generation(Drafting):
         left = max(1, self.req.max_tokens - len(self.out.token_ids))
         if self.lookup is not None and self.method == "ngram" and self.method in self.local:
             return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left)
-        # (a burst would leave the next round's table as many positions stale as it steps)
-        predrafting = (self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0) \
-            or self._tail_mode()
+        predrafting = self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
         if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):
             return min(self.decode_steps, left), None
         return 1, None

@@ -51,12 +51,12 @@ class Tails:
         caller's next start replaces it). -> seconds waited."""
         if self._pending is None:
             return 0.0
-        (anchor, future, _), self._pending = self._pending, None
+        (anchor, future, calls), self._pending = self._pending, None
         t0 = time.monotonic()
         try:
             draft = future.result(timeout=timeout)
         except Exception:  # noqa: BLE001 - no table this time; rounds draft from an older one or none
-            future.cancel()
+            _cancel(future, calls)  # timed out: stop drafting it
             return time.monotonic() - t0
         if draft.candidates is not None:
             self._latest = (anchor, *draft.candidates)
@@ -81,6 +81,10 @@ class Tails:
         if self._pending is not None:
             _, future, calls = self._pending
             self._pending = None
-            future.cancel()
-            for call in list(calls):
-                call.cancel()
+            _cancel(future, calls)
+
+
+def _cancel(future: Future, calls: list) -> None:
+    future.cancel()
+    for call in list(calls):
+        call.cancel()

@@ -1,0 +1,126 @@
+"""How much a block drafter's tree loses when its candidate table is stale (coordinator/tails.py).
+
+At T=0 a round's outcome is known from the target's greedy continuation. For every anchor a of
+each continuation the drafter drafts one table from the target's features of positions < a (as the
+draft worker does); a tree built from that table's rows m.. is what a round at anchor a + m gets
+from the table drafted m positions back (m = 0: a fresh table). The tool walks each such tree by
+the continuation and reports accepted drafts per round by staleness m and node budget, and each
+block position's top-1 / top-4 / top-8 accuracy. Forward time is not involved: this is the
+acceptance side of goodput only.
+
+    python -m specmesh.bench.staleness --limit 24 --samples /tmp/greedy.jsonl --out staleness.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from specmesh.core.tree import build_tree, walk_tree
+
+BUDGETS = (1, 2, 4, 8)
+STALE = (0, 1, 2, 3)
+
+
+def accepted(tree, truth: list[int]) -> int:
+    """Drafts a tree's walk accepts when the target's tokens are `truth`."""
+    depth = [0] + tree.depths()  # by verify-input index: 0 = the root (the pending token)
+    path, _ = walk_tree(tree.tokens, tree.parents, lambda j: truth[depth[j]] if depth[j] < len(truth) else -1)
+    return len(path) - 1
+
+
+def tables(drafter, feats: torch.Tensor, ids: list[int], anchors: list[int], width: int) -> dict:
+    """anchor -> (log q [D, W], tokens [D, W]) from features of positions < anchor and x_anchor."""
+    window, out = drafter.cfg.context_window, {}
+    for i in range(0, len(anchors), 32):
+        part = anchors[i:i + 32]
+        fs = torch.zeros(len(part), window, feats.shape[1], dtype=feats.dtype)
+        vs = torch.zeros(len(part), window, dtype=torch.bool)
+        for j, a in enumerate(part):
+            got = feats[max(0, a - window):a]
+            fs[j, window - got.shape[0]:], vs[j, window - got.shape[0]:] = got, True
+        with torch.no_grad():
+            logits = drafter(drafter.block_ids(torch.tensor([ids[a] for a in part])), fs, vs)
+        lp, tok = torch.log_softmax(logits[:, 1:].float(), -1).topk(width, dim=-1)  # [N, D, W]
+        out.update({a: (lp[j], tok[j]) for j, a in enumerate(part)})
+    return out
+
+
+def measure(samples: list[dict], model, drafter) -> dict:
+    from specmesh.drafters.features import extract_target_features
+
+    depth = drafter.cfg.block_size - 1
+    got = {(m, n): [0, 0] for m in STALE for n in BUDGETS}
+    hits, positions = torch.zeros(depth, 3), 0
+    for s in samples:
+        ids, start = s["prompt_ids"] + s["output_ids"], len(s["prompt_ids"])
+        with torch.no_grad():
+            hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        feats = extract_target_features(hs, drafter.cfg.target_layers).to(torch.bfloat16)  # as on the wire
+        anchors = list(range(start, len(ids) - 1))
+        table = tables(drafter, feats, ids, anchors, max(BUDGETS))
+        for a in anchors:
+            lp, tok = table[a]
+            for d in range(min(depth, len(ids) - a - 1)):
+                row, t = tok[d].tolist(), ids[a + 1 + d]
+                hits[d] += torch.tensor([t == row[0], t in row[:4], t in row], dtype=torch.float32)
+            positions += 1
+            for m in STALE:
+                if a - m < start or m >= depth:
+                    continue
+                lp, tok = table[a - m][0][m:], table[a - m][1][m:]
+                for n in BUDGETS:
+                    acc = accepted(build_tree(lp, tok, n), ids[a + 1: a + 1 + depth])
+                    got[(m, n)][0] += acc
+                    got[(m, n)][1] += 1
+        print(f"staleness: {s['prompt_id']}", file=sys.stderr, flush=True)
+    return {"accepted_per_round": {f"stale {m}": {f"{n} nodes": round(got[(m, n)][0] / max(1, got[(m, n)][1]), 3)
+                                                  for n in BUDGETS} for m in STALE},
+            "rounds": got[(0, 1)][1],
+            "position_accuracy_top1_top4_top8": [[round(float(x) / max(1, positions), 3) for x in h] for h in hits]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    from specmesh.bench.ceiling import greedy_samples
+    from specmesh.bench.compare import command_line, machine_info
+    from specmesh.bench.peers import HFPeer
+    from specmesh.config import load_config
+    from specmesh.drafters.artifact import load_drafter
+
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--config")
+    p.add_argument("--dataset", default="mt-bench")
+    p.add_argument("--limit", type=int, default=24)
+    p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--drafter", help="the block drafter's artefact dir (default: draft_worker.block.path, "
+                                     "else artifacts/drafters/<model.name>-block)")
+    p.add_argument("--samples", help="a JSONL of greedy continuations: read when it exists, else written")
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    cfg = load_config(args.config)
+    cache = Path(args.samples) if args.samples else None
+    if cache is not None and cache.exists():
+        samples = [json.loads(line) for line in cache.read_text().splitlines() if line]
+    else:
+        samples = greedy_samples(cfg, args.dataset, args.limit, args.max_tokens, args.threads)
+        if cache is not None:
+            cache.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads)  # the target in the mesh's dtype
+    path = args.drafter or cfg.draft_worker.block.path or f"artifacts/drafters/{cfg.model.name}-block"
+    drafter = load_drafter(path, peer.model.model.embed_tokens, peer.model.lm_head,
+                           dtype=peer.model.lm_head.weight.dtype)
+    doc = {"command": command_line(), "dataset": args.dataset, "prompts": len(samples),
+           "max_tokens": args.max_tokens, "machine": machine_info(), **measure(samples, peer.model, drafter)}
+    Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
+    print(json.dumps({k: doc[k] for k in ("accepted_per_round", "position_accuracy_top1_top4_top8")}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
