@@ -15,10 +15,12 @@ Lossless at any temperature: a draft tree is verified by walking it with the tar
 table only matches less often. Offline, this drafter on MT-Bench (8 nodes, greedy continuations):
 0.76 accepted drafts per round from a fresh table, 0.52 one position stale, 0.40 two.
 
-Each round: wait for the Propose in flight (started a round ago; normally done, as drafting takes
-less than a verify), start the next at this round's anchor, and draft from the newest table's tail.
-Without a tail (the first round after a prefill, or the tier failed) a round that drafts waits for
-its own Propose: the just-in-time draft, as without overlap."""
+Each round: wait for the Propose in flight (started by the last round if it drafted; normally
+done, as drafting takes less than a verify) and look up the newest table's tail; a round that
+drafts builds its tree from it and starts the next table at its own anchor. Rounds that draft
+nothing start none (at load, where goodput drafts little, the draft tier then stays off the
+target's CPU). Without a tail (the first round after a prefill, or the tier failed) a round that
+drafts waits for a table at its anchor, the just-in-time draft, as without overlap."""
 
 from __future__ import annotations
 

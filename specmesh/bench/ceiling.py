@@ -101,6 +101,18 @@ def greedy_samples(cfg, dataset: str, limit: int | None, max_tokens: int, thread
     return out
 
 
+def cached_samples(cfg, args) -> list[dict]:
+    """greedy_samples for args.dataset / limit / max_tokens / threads, read from args.samples (a
+    JSONL) when it exists, else generated and written there (when given)."""
+    cache = Path(args.samples) if args.samples else None
+    if cache is not None and cache.exists():
+        return [json.loads(line) for line in cache.read_text().splitlines() if line]
+    samples = greedy_samples(cfg, args.dataset, args.limit, args.max_tokens, args.threads)
+    if cache is not None:
+        cache.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    return samples
+
+
 def markdown(doc: dict) -> str:
     policies = list(doc["ceiling"]["all"])
     lines = [f"## Prompt-lookup ceiling at concurrency 1 ({doc['dataset']}, {doc['prompts']} prompts x "
@@ -136,13 +148,7 @@ def main(argv: list[str] | None = None) -> int:
     cfg = load_config(args.config)
     cost = forward_cost(json.loads(Path(args.micro).read_text()), args.micro_mode)
     ng = cfg.draft_worker.ngram
-    cache = Path(args.samples) if args.samples else None
-    if cache is not None and cache.exists():
-        samples = [json.loads(line) for line in cache.read_text().splitlines() if line]
-    else:
-        samples = greedy_samples(cfg, args.dataset, args.limit, args.max_tokens, args.threads)
-        if cache is not None:
-            cache.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    samples = cached_samples(cfg, args)
     command = "python -m specmesh.bench.ceiling " + command_line().split(" ", 1)[-1]
     doc = {"command": command, "micro_mode": args.micro_mode, "dataset": args.dataset, "prompts": len(samples),
            "max_tokens": args.max_tokens,

@@ -85,7 +85,7 @@ def measure(samples: list[dict], model, drafter) -> dict:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from specmesh.bench.ceiling import greedy_samples
+    from specmesh.bench.ceiling import cached_samples
     from specmesh.bench.compare import command_line, machine_info
     from specmesh.bench.peers import HFPeer
     from specmesh.config import load_config
@@ -104,18 +104,12 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
     cfg = load_config(args.config)
-    cache = Path(args.samples) if args.samples else None
-    if cache is not None and cache.exists():
-        samples = [json.loads(line) for line in cache.read_text().splitlines() if line]
-    else:
-        samples = greedy_samples(cfg, args.dataset, args.limit, args.max_tokens, args.threads)
-        if cache is not None:
-            cache.write_text("".join(json.dumps(s) + "\n" for s in samples))
+    samples = cached_samples(cfg, args)
     peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads)  # the target in the mesh's dtype
     path = args.drafter or cfg.draft_worker.block.path or f"artifacts/drafters/{cfg.model.name}-block"
     drafter = load_drafter(path, peer.model.model.embed_tokens, peer.model.lm_head,
                            dtype=peer.model.lm_head.weight.dtype)
-    doc = {"command": command_line(), "dataset": args.dataset, "prompts": len(samples),
+    doc = {"command": "python -m specmesh.bench.staleness " + command_line().split(" ", 1)[-1], "dataset": args.dataset, "prompts": len(samples),
            "max_tokens": args.max_tokens, "machine": machine_info(), **measure(samples, peer.model, drafter)}
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps({k: doc[k] for k in ("accepted_per_round", "position_accuracy_top1_top4_top8")}, indent=1))

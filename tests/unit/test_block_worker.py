@@ -154,6 +154,19 @@ class FeatureTarget:
         pass
 
 
+def held_window(window: FeatureWindow | None, features, context: list[int]) -> FeatureWindow | None:
+    """A fake draft tier's window after a Propose's (rows, complete); None: a miss. Checks that
+    every held row is its position's."""
+    feats, complete = features
+    end = len(context) - 1
+    if complete:
+        window = FeatureWindow(W, feats, end)
+    elif window is None or not window.extend(feats, end):
+        return None
+    assert positions(window.rows) == list(range(max(0, end - W), end))
+    return window
+
+
 class WindowDrafts:
     """A draft tier holding a FeatureWindow, checking every row's position; forgets on demand."""
 
@@ -167,12 +180,9 @@ class WindowDrafts:
         self.calls.append((round_, feats.shape[0], complete))
         if round_ == self.forget_at_round and not complete:
             self.window = None  # e.g. the worker restarted
-        end = len(context) - 1
-        if complete:
-            self.window = FeatureWindow(W, feats, end)
-        elif self.window is None or not self.window.extend(feats, end):
+        self.window = held_window(self.window, features, context)
+        if self.window is None:
             return DraftProposal([], None, missing_features=True)
-        assert positions(self.window.rows) == list(range(max(0, end - W), end))
         p = len(context) - len(PROMPT)
         return DraftProposal(SCRIPT[p:p + k] if round_ % 2 == 0 else SCRIPT[p:p + 1] + [0] * (k - 1), None)
 

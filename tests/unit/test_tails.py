@@ -13,12 +13,11 @@ import torch
 
 from coordinator.loop import Generation
 from coordinator.tails import Tails
-from specmesh.core.features import FeatureWindow
 from specmesh.core.tree import build_tree, walk_tree
 from specmesh.core.types import DraftProposal, FeatureSpec, GenerationRequest, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.rpc.convert import candidates_from_pb, candidates_to_pb
-from tests.unit.test_block_worker import F, W, drafter, job, positions, rows  # noqa: F401 - drafter: a fixture
+from tests.unit.test_block_worker import W, drafter, held_window, job, rows  # noqa: F401 - drafter: a fixture
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 SCRIPT = [(i % 20) + 10 for i in range(100)]
@@ -62,13 +61,9 @@ class TableDrafts:
         self.calls.append((len(context), features[1], candidates))
         if self.fail or (self.fail_after is not None and len(self.calls) > self.fail_after):
             raise Unavailable("draft tier down")
-        feats, complete = features
-        end = len(context) - 1
-        if complete:
-            self.window = FeatureWindow(W, feats, end)
-        elif self.window is None or not self.window.extend(feats, end):
+        self.window = held_window(self.window, features, context)
+        if self.window is None:
             return DraftProposal([], None, missing_features=True)
-        assert positions(self.window.rows) == list(range(max(0, end - W), end))
         p = len(context) - len(PROMPT)  # SCRIPT[p] is position end + 1's token
         right = torch.tensor(SCRIPT[p:p + DEPTH])
         table = torch.stack([right, right + 50], dim=1)  # [D, 2]: the right token, then a wrong one
