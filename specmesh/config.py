@@ -312,8 +312,11 @@ class TargetWorkerConfig:
     drain_timeout_s: float = 30.0  # SIGTERM: take no new sequence, finish live ones up to this long
     # deterministic verification: one-token kernels per row (in chunks the start-up probe proves
     # bitwise) and prefills unpacked, so output is bitwise the target alone's in any dtype and batch;
-    # false: one GEMM over the batch, near-tie flips possible; auto: on exactly where the probe
-    # finds it nearly free on this machine (specmesh/engine/rowexact.py), logged at start
+    # false: one GEMM over the batch, near-tie flips possible; own: deterministic on the mesh's own
+    # kernels (products padded to 2+ rows where the probe finds that row-invariant, bf16 attention
+    # rows on the row kernel): bitwise the mesh's own decode, which rounds apart from HF's one-row
+    # calls; auto: true where the probe finds it nearly free on this machine, else own where that
+    # is, else false (specmesh/engine/rowexact.py), logged at start
     batch_invariant: bool | str = "auto"
     # float32 linears of a verify / decode step from packed weights (specmesh/engine/cpu_gemm.py):
     # auto: where it builds and runs (x86-64 AVX2+FMA, float32 on the CPU); false: torch's own
@@ -332,7 +335,8 @@ class TargetWorkerConfig:
         _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
         _check(0 <= self.batch_gather <= 2, f"{key}.batch_gather", "must be in [0, 2]")
         self.cache.validate(f"{key}.cache")
-        _check(self.batch_invariant in (True, False, "auto"), f"{key}.batch_invariant", "must be true, false or auto")
+        _check(self.batch_invariant in (True, False, "auto", "own"), f"{key}.batch_invariant",
+               "must be true, false, own or auto")
         _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")
         _check(self.attention_fold in (True, False, "auto"), f"{key}.attention_fold", "must be true, false or auto")
         _check(self.drain_timeout_s >= 0, f"{key}.drain_timeout_s", "must be >= 0")

@@ -25,7 +25,7 @@ from specmesh.core.costmodel import VerifyCost
 from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout
 from specmesh.core.types import DraftProposal, FeatureSpec, NgramBurst, PrefillOutcome, SamplingParams, VerifyOutcome
-from specmesh.engine import attention, cpu_gemm, rowexact
+from specmesh.engine import attention, cpu_gemm, row_attn, rowexact
 from specmesh.engine.batcher import Batcher
 from specmesh.engine.pool import new_pool
 from specmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -37,12 +37,9 @@ log = logging.getLogger(__name__)
 DEFAULT_RESERVE = 512  # new tokens reserved for a sequence whose Prefill does not say (it grows past)
 
 
-def resolve_batch_invariant(model, setting: bool | str) -> bool:
-    """true / false as given; "auto": probe (rowexact.install) and turn it on only where the probe
-    finds deterministic verification nearly free on this machine (rowexact.cheap)."""
-    if setting == "auto":
-        return rowexact.cheap(rowexact.install(model))
-    return bool(setting)
+def resolve_batch_invariant(model, setting: bool | str) -> int:
+    """The row-exact mode (rowexact.rows) for target_worker.batch_invariant (rowexact.mode_for)."""
+    return rowexact.mode_for(model, setting)
 
 
 class TargetEngine(ModelThread):
@@ -55,7 +52,10 @@ class TargetEngine(ModelThread):
         # attention_fold: one-token rows' attention laid out as rows where faster (attention.py)
         attention.configure(attention_fold)
         self.cpu_kernel = bool(cpu_kernel) and cpu_gemm.install(model)
-        self.batch_invariant = resolve_batch_invariant(model, batch_invariant)
+        self.row_exact = resolve_batch_invariant(model, batch_invariant)  # 0 / 1 / 2 (rowexact.rows)
+        self.batch_invariant = bool(self.row_exact)
+        if self.row_exact == 2:  # the mesh's own kernels: bf16 attention rows on the row kernel too
+            row_attn.enable_bf16(model)
         self.model = rowexact.install(model) if self.batch_invariant else model
         cfg = model.config.get_text_config()
         self.vocab_size, self.num_layers = cfg.vocab_size, cfg.num_hidden_layers

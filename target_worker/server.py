@@ -140,8 +140,8 @@ def main(argv=None) -> int:
              "batch_invariant %s -> %s%s", model_dir, model_fingerprint(model_dir) or "no manifest", dtype_name(param.dtype), param.device, engine.pool.max_tokens,
              engine.pool.nbytes() / 1e6, engine.cpu_kernel, cpu_gemm.packed_bytes(model) / 1e6,
              wcfg.batch_invariant, engine.batch_invariant,
-             f" (probed: batched rows bitwise the one-row calls up to {rowexact.probed(model)})"
-             if rowexact.is_installed(model) else "")
+             f" (probed: batched rows bitwise the {'2-row-floor' if engine.row_exact == 2 else 'one-row'} calls "
+             f"up to {rowexact.probed(model, max(1, engine.row_exact))})" if rowexact.is_installed(model) else "")
     log.info("verify cost model (rows -> seconds, measured at start): %s", engine.measure_cost())
     log.info("one-token attention, grouped heads as rows (attention_fold %s): %s", wcfg.attention_fold,
              attention.decisions())

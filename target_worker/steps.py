@@ -59,7 +59,7 @@ class VerifyJob:
 
 class ModelThread:
     """The forwards of a TargetEngine, run on its model thread. Uses the engine's model,
-    batch_invariant, pool, vocab_size, cost, last_batch_sizes, _last_verify_s and
+    batch_invariant, row_exact, pool, vocab_size, cost, last_batch_sizes, _last_verify_s and
     _job_done."""
 
     def _run_batch(self, kind: str, jobs: list, stream=None) -> list:
@@ -90,7 +90,7 @@ class ModelThread:
                 times = []
                 for _ in range(repeats + 1):  # the first is a warm-up
                     t0 = time.perf_counter()
-                    batched_step(self.model, [kv], [ids[:rows]], row_exact=self.batch_invariant)
+                    batched_step(self.model, [kv], [ids[:rows]], row_exact=self.row_exact)
                     times.append(time.perf_counter() - t0)
                 measured[rows] = min(times[1:])
         finally:
@@ -183,7 +183,7 @@ class ModelThread:
         layouts = [tree_layout(j.draft.parents) if j.draft.parents is not None else (None, None) for j in jobs]
         t0 = time.perf_counter()
         outs = batched_step(self.model, [j.seq.kv for j in jobs], inputs, new_masks=[m for m, _ in layouts],
-                            depths=[d for _, d in layouts], hidden_layers=hidden, row_exact=self.batch_invariant)
+                            depths=[d for _, d in layouts], hidden_layers=hidden, row_exact=self.row_exact)
         self._last_verify_s = time.perf_counter() - t0
         results = []
         for job, out in zip(jobs, outs):

@@ -341,8 +341,9 @@ class Reference:
         return msg
 
 
-def bf16_hf_mismatch(ref, got: list[int], tokenizer=None, label: str = "") -> str:
-    """'' when `got` is HF bf16 greedy's `ref` - strictly on a CPU that multiplies bf16 natively.
+def bf16_hf_mismatch(ref, got: list[int], tokenizer=None, label: str = "", own_kernels: bool = False) -> str:
+    """'' when `got` is HF bf16 greedy's `ref` - strictly on a CPU that multiplies bf16 natively,
+    unless the mesh ran its own kernels (own_kernels: batch_invariant's mode 2, rowexact.py).
     Elsewhere HF's bf16 arithmetic is emulated by other kernels and its logits come out on the bf16
     grid while the mesh's are float32, so a first difference is allowed where HF's own logits of the
     two tokens are within one bf16 step (on an Ice Lake Xeon: ties at 26.125, gaps of 0.125 at 23-25);
@@ -352,7 +353,7 @@ def bf16_hf_mismatch(ref, got: list[int], tokenizer=None, label: str = "") -> st
     from specmesh.engine.loader import cpu_has_native_bf16
 
     why = ref.explain_mismatch(got, tokenizer, label)
-    if not why or cpu_has_native_bf16():
+    if not why or (cpu_has_native_bf16() and not own_kernels):
         return why
     pos = next((i for i, (a, b) in enumerate(zip(got, ref.token_ids)) if a != b), None)
     if pos is None:  # one is a prefix of the other: a length difference, never a rounding
@@ -360,7 +361,7 @@ def bf16_hf_mismatch(ref, got: list[int], tokenizer=None, label: str = "") -> st
     want = ref.token_ids[pos]
     step = 2.0 ** (math.floor(math.log2(max(abs(float(ref.logits[pos][want])), 1e-30))) - 7)  # one bf16 step
     if ref.gap(pos, want, got[pos]) <= step:
-        print(f"within HF's bf16 rounding (no native bf16 here): {why}")
+        print(f"within HF's bf16 rounding ({'the mesh own kernels' if own_kernels else 'no native bf16 here'}): {why}")
         return ""
     return why
 
@@ -439,14 +440,15 @@ def _prefill(model, prompt: list[int]):
     return kv
 
 
-def _one_token_steps(model, prompt: list[int], tokens: list[int]):
-    """The target alone: prefill, then one forward per token -> [len(tokens), V] logits."""
+def _one_token_steps(model, prompt: list[int], tokens: list[int], row_exact: int = 0):
+    """The target alone: prefill, then one forward per token -> [len(tokens), V] logits (row_exact:
+    the mesh's decode in that row-exact mode, rowexact.rows; 0: HF's own one-row calls)."""
     from specmesh.engine.kv import batched_step
 
     kv = _prefill(model, prompt)
     rows = []
     for t in tokens:
-        out = batched_step(model, [kv], [[t]])[0]
+        out = batched_step(model, [kv], [[t]], row_exact=row_exact)[0]
         kv.commit(1)
         rows.append(out.logits[0])
     return torch.stack(rows)

@@ -51,7 +51,7 @@ MODES = ("batched", "batch_invariant")
 
 
 def time_forward(model, kvs: list, positions: int, repeats: int, gen: torch.Generator, vocab: int,
-                 row_exact: bool = False, tree: int = 0) -> list[float]:
+                 row_exact: bool | int = False, tree: int = 0) -> list[float]:
     """Seconds of each of `repeats` forwards of `positions` new tokens per sequence (tree > 0:
     [pending, a random tree of `tree` nodes] with its ancestor mask). Nothing is committed, so
     every forward writes the same slots past each cache."""
@@ -77,8 +77,9 @@ def time_forward(model, kvs: list, positions: int, repeats: int, gen: torch.Gene
 
 
 def run_micro(model, context: int = 256, positions=(1, 5, 9), batches=(1, 16), repeats: int = 5,
-              seed: int = 0, progress=None, modes=MODES, trees=(16,)) -> list[dict]:
-    """Median ms of one forward per (mode, batch, positions or tree)."""
+              seed: int = 0, progress=None, modes=MODES, trees=(16,), row_exact: int = 1) -> list[dict]:
+    """Median ms of one forward per (mode, batch, positions or tree); the batch_invariant mode
+    as rowexact.rows(row_exact) runs it."""
     from specmesh.engine import rowexact
 
     if "batch_invariant" in modes:
@@ -91,8 +92,8 @@ def run_micro(model, context: int = 256, positions=(1, 5, 9), batches=(1, 16), r
     for b in batches:
         for q, tree in shapes:
             for mode in modes:
-                times = time_forward(model, kvs[:b], q, repeats, gen, vocab, row_exact=mode == "batch_invariant",
-                                     tree=tree)
+                exact = row_exact if mode == "batch_invariant" else 0
+                times = time_forward(model, kvs[:b], q, repeats, gen, vocab, row_exact=exact, tree=tree)
                 med = percentile(times, 50)
                 rows.append({"mode": mode, "batch": b, "positions": q, "tree": tree, "context": context,
                              "median_ms": med * 1e3, "min_ms": min(times) * 1e3, "max_ms": max(times) * 1e3,
@@ -138,8 +139,11 @@ def micro_markdown(doc: dict) -> str:
              f"{doc['model']} ({'draft model, ' if doc.get('draft') else ''}{doc.get('dtype', '?')}"
              f"{', int8 weights' if doc.get('weights') == 'int8' else ''}, CPU verify kernel: {doc.get('cpu_kernel', False)}, "
              f"one-token attention folded: {doc.get('attention_fold', {})}), "
-             f"{m.get('date')}", "",
-             "Median ms per forward (positions/s) — positions Q = k + 1 to verify k drafts", ""]
+             f"{m.get('date')}", ""]
+    if doc.get("row_exact_probe"):
+        lines += [f"batch_invariant below: row-exact mode {doc.get('row_exact', 1)} (rowexact.rows), "
+                  f"rows per call {doc['row_exact_probe']}", ""]
+    lines += ["Median ms per forward (positions/s) — positions Q = k + 1 to verify k drafts", ""]
     for mode in modes:
         lines += [f"**{mode}**", "", "| positions Q | " + " | ".join(f"batch {b}" for b in batches) + " |",
                   "|---|" + "---|" * len(batches)]
@@ -155,14 +159,20 @@ def micro_markdown(doc: dict) -> str:
 def _load(cfg, draft: bool) -> tuple:
     """(dir, model, setup) as the target worker runs it, or with draft as the draft worker runs
     its draft model (draft_worker.draft_model: the target's own when none is named)."""
-    from specmesh.engine import attention, cpu_gemm
+    from specmesh.engine import attention, cpu_gemm, row_attn, rowexact
     from specmesh.engine.loader import load_configured_model, load_draft_model
 
     if not draft:
         model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
                                                  cfg.model.require_manifest, cfg.model.device)
         attention.configure(cfg.target_worker.attention_fold)
-        return model_dir, model, {"cpu_kernel": bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model)}
+        setup = {"cpu_kernel": bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model)}
+        # the deterministic mode as the worker runs it: auto's pick where that is one, else true's
+        rowexact.install(model)
+        mode = rowexact.mode_for(model, cfg.target_worker.batch_invariant) or 1  # off: time true's
+        if mode == 2:
+            row_attn.enable_bf16(model)  # as the worker does (TargetEngine)
+        return model_dir, model, {**setup, "row_exact": mode, "row_exact_probe": rowexact.probed(model, mode)}
     model_dir, model, setup = load_draft_model(cfg)
     return model_dir, model, {"draft": True, **setup}
 
@@ -191,7 +201,7 @@ def main(args) -> int:
     with tqdm(total=(len(positions) + len(trees)) * len(batches) * len(modes), file=sys.stderr,
               disable=args.no_progress) as bar:
         rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar,
-                         trees=trees, modes=modes)
+                         trees=trees, modes=modes, row_exact=setup.get("row_exact", 1))
     doc = {"command": command_line(), "model": str(model_dir), "dtype": dtype_name(next(model.parameters()).dtype),
            **setup, "attention_fold": attention.decisions(),
            "device": str(next(model.parameters()).device),

@@ -23,13 +23,15 @@ from specmesh.core.rejection import verify_greedy
 from specmesh.engine.kv import batched_step, new_sequence_kv
 
 
-def _ar(model, prompt: list[int], n: int) -> tuple[list[int], list[torch.Tensor]]:
+def _ar(model, prompt: list[int], n: int, row_exact: int = 0) -> tuple[list[int], list[torch.Tensor]]:
+    """The mesh's own AR: one-position steps (row-exact ones in the deterministic mode, which pads
+    them to a 2-row floor where rowexact installed one)."""
     kv = new_sequence_kv(model, len(prompt) + n)
     out = batched_step(model, [kv], [prompt], logits_rows=[[len(prompt) - 1]])[0]
     kv.commit(len(prompt))
     tokens, logits = [int(out.logits[-1].argmax())], [out.logits[-1]]
     while len(tokens) < n:
-        out = batched_step(model, [kv], [[tokens[-1]]])[0]
+        out = batched_step(model, [kv], [[tokens[-1]]], row_exact=row_exact)[0]
         kv.commit(1)
         tokens.append(int(out.logits[-1].argmax()))
         logits.append(out.logits[-1])
@@ -44,7 +46,7 @@ def hf_generate(model, prompt: list[int], n: int) -> list[int]:
     return out[0, len(prompt):].tolist()
 
 
-def _spec(model, prompts: list[list[int]], n: int, k: int, row_exact: bool = False) -> list[list[int]]:
+def _spec(model, prompts: list[list[int]], n: int, k: int, row_exact: int = 0) -> list[list[int]]:
     """Chain speculation with n-gram drafts; all prompts' rounds batched into one forward."""
     kvs, outs = [new_sequence_kv(model, len(p) + n + k + 1) for p in prompts], []
     last = [[len(p) - 1] for p in prompts]
@@ -74,8 +76,8 @@ def _first_diff(ref: list[int], got: list[int], logits: list[torch.Tensor]) -> d
     return None
 
 
-def measure(model, prompts: list[list[int]], n: int, k: int, row_exact: bool = False, vs_hf: bool = False) -> dict:
-    ar = [_ar(model, p, n) for p in prompts]
+def measure(model, prompts: list[list[int]], n: int, k: int, row_exact: int = 0, vs_hf: bool = False) -> dict:
+    ar = [_ar(model, p, n, row_exact) for p in prompts]
     single = [_spec(model, [p], n, k, row_exact)[0] for p in prompts]
     batched = _spec(model, prompts, n, k, row_exact)
     hf = [hf_generate(model, p, n) for p in prompts] if vs_hf else [None] * len(prompts)
@@ -105,6 +107,8 @@ def main(argv=None) -> int:
     p.add_argument("--k", type=int, default=4)
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--batch-invariant", action="store_true", help="verify row-exact (target_worker.batch_invariant)")
+    p.add_argument("--row-floor", type=int, choices=(1, 2), default=1,
+                   help="--batch-invariant: 2 = the 2-row floor where probed (batch_invariant auto may pick it)")
     p.add_argument("--no-cpu-kernel", action="store_true", help="torch's own linears (target_worker.cpu_kernel: false)")
     p.add_argument("--attention-fold", choices=("auto", "true", "false"), default="auto",
                    help="one-token rows' attention as grouped rows (target_worker.attention_fold)")
@@ -122,6 +126,11 @@ def main(argv=None) -> int:
         from specmesh.engine import rowexact
 
         rowexact.install(model)
+        if args.row_floor == 2:
+            from specmesh.engine import row_attn
+
+            row_attn.enable_bf16(model)  # as the worker does in that mode (TargetEngine)
+        print(f"probed invariant rows: {rowexact.probed(model, args.row_floor)}")
     from specmesh.engine import attention
 
     attention.configure({"auto": "auto", "true": True, "false": False}[args.attention_fold])
@@ -129,7 +138,7 @@ def main(argv=None) -> int:
     items = load_dataset(args.dataset, limit=args.limit)
     prompts = [encoder.encode(it.prompt, it.messages) for it in items]
     t0 = time.time()
-    result = measure(model, prompts, args.max_tokens, args.k, args.batch_invariant, args.vs_hf)
+    result = measure(model, prompts, args.max_tokens, args.k, args.row_floor if args.batch_invariant else 0, args.vs_hf)
     result.update(model=model_dir.name, dtype=args.dtype, dataset=args.dataset, cpu_kernel=kernel,
                   attention_fold=attention.decisions(), seconds=round(time.time() - t0, 1))
     text = json.dumps(result, indent=2)

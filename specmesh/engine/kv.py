@@ -160,7 +160,8 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool) -> tupl
     row-attention kernel may take the step (row_attn.usable)."""
     seqs, positions, offset = [], [], 0
     trees = [new_masks[b] if new_masks and new_masks[b] is not None else None for b in range(len(kvs))]
-    rows, taken = row_attn.plan(kvs, [len(t) for t in inputs], trees) if kernel else (None, [False] * len(kvs))
+    rows, taken = (row_attn.plan(kvs, [len(t) for t in inputs], trees, bool(row_exact)) if kernel
+                   else (None, [False] * len(kvs)))
     for b, (kv, toks) in enumerate(zip(kvs, inputs)):
         n, length, tree = len(toks), kv.length, trees[b]
         depth = depths[b] if depths and depths[b] is not None else None
@@ -181,10 +182,10 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool) -> tupl
     return _Plan(seqs, row_exact, rows), positions
 
 
-def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool) -> torch.Tensor:
+def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool | int) -> torch.Tensor:
     """hidden: [r, H] -> logits [r, V] float32, the head in the model's dtype (a draft's int8 copy
     where quantized, the packed CPU kernel where installed). Row-exact: in chunks of the head's
-    probed invariant row count (one-row calls where it is 0)."""
+    probed invariant row count (one-row calls where it is 0), each padded to its row floor."""
     head = model.get_output_embeddings()
     out = None if row_exact else quant.apply(head, hidden)  # a draft model's int8 head
     if out is None:
@@ -192,10 +193,13 @@ def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool) -> to
     if out is not None:
         return out.float()
     w = head.weight  # [V, H]
-    if not row_exact or hidden.shape[0] <= rowexact.head_rows(model):
+    if not row_exact:
         return F.linear(hidden, w).float()
-    step = max(1, rowexact.head_rows(model))
-    return torch.cat([F.linear(hidden[i : i + step], w) for i in range(0, hidden.shape[0], step)]).float()
+    step, floor = rowexact.head_chunking(model, int(row_exact))
+    lin = rowexact.floored(F.linear, floor)
+    if hidden.shape[0] <= step:
+        return lin(hidden, w).float()
+    return torch.cat([lin(hidden[i : i + step], w) for i in range(0, hidden.shape[0], step)]).float()
 
 
 def _lean_ok(model, plan: _Plan, rows: int, row_exact: bool) -> bool:
@@ -214,7 +218,7 @@ def batched_step(
     new_masks: list[torch.Tensor | None] | None = None,
     depths: list[torch.Tensor | None] | None = None,
     hidden_layers: tuple[int, ...] = (),
-    row_exact: bool = False,
+    row_exact: bool | int = False,
     logits_rows: list[list[int] | None] | None = None,
 ) -> list[StepOutput]:
     """One forward over B sequences. inputs[b]: the Q_b new token ids of sequence b (Q_b >= 1).
@@ -223,7 +227,8 @@ def batched_step(
     depths[b]: [Q_b] long, position offset of each new token past the cache (default arange).
     hidden_layers: HF hidden_states indices to return (0 = embeddings, i = after layer i).
     row_exact: compute every position with the kernels of a one-token step (rowexact.install
-    must have been applied), so its logits equal the target alone's bitwise.
+    must have been applied), so its logits equal the target alone's bitwise; 2 (rowexact.rows):
+    with the 2-row floor where the probe installed it, the one-token step included.
     logits_rows[b]: which new rows of sequence b need logits (None: all).
     The new slots are written in place past each cache's length; the caller commits what it keeps.
     """
@@ -235,7 +240,7 @@ def batched_step(
     for kv, toks in zip(kvs, inputs):
         kv.ensure(kv.length + len(toks))
     device = kvs[0].device
-    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact, row_attn.usable(model, kvs))
+    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact, row_attn.usable(model, kvs, int(row_exact)))
     ids = torch.tensor([t for toks in inputs for t in toks], dtype=torch.long).to(device)[None]  # [1, T]
     pos = torch.tensor(positions, dtype=torch.long).to(device)[None]  # [1, T]
     token = _PLAN.set(plan)

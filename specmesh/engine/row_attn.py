@@ -14,7 +14,11 @@ AVX-512), one thread, SmolLM2's 9 x 3 x 64 heads: one row at 256 slots 23 us (to
 2,200 slots 192 us (327 us).
 
 Sequences whose rows do not fit (a long prompt's prefill: more than MAX_ROWS causal rows, and
-every row attends to all before it) keep torch SDPA; so do bf16 models and GPUs (kv.py's path).
+every row attends to all before it, outside the deterministic mode) keep torch SDPA; so do GPUs
+(kv.py's path), and bf16 models except in the deterministic mode's 2-row floor (rowexact.rows(2),
+enabled by enable_bf16): there the kernel widens bf16 to float32 as it loads and rounds its
+output once, which is not HF's bf16 SDPA bit for bit but is the mesh's own decode step, and it
+replaces one SDPA call per row per layer (on a Zen 4 EPYC, one bf16 row at 256 slots: ~255 us).
 """
 
 from __future__ import annotations
@@ -43,29 +47,44 @@ class RowPlan:
     extra: torch.Tensor  # [E] long: pool slots (a tree row's path)
 
 
-def usable(model: torch.nn.Module, kvs) -> bool:
-    """Whether this step can take the kernel: the model runs the packed CPU kernel (float32, CPU)
-    and its heads fit (head dim a multiple of 32, query heads a multiple of kv heads)."""
-    if not getattr(model, "_specmesh_cpu_gemm", False):  # True only where the extension loaded
+def enable_bf16(model: torch.nn.Module) -> bool:
+    """Let bf16 CPU steps in the 2-row-floor deterministic mode take the kernel (built here, not
+    inside a step). True when it is available."""
+    param = next(model.parameters())
+    ok = param.dtype == torch.bfloat16 and param.device.type == "cpu" and cpu_gemm.load() is not None
+    model._specmesh_row_attn_bf16 = ok
+    return ok
+
+
+def usable(model: torch.nn.Module, kvs, row_exact: int = 0) -> bool:
+    """Whether this step can take the kernel: the model runs the packed CPU kernel (float32, CPU),
+    or it is a bf16 CPU model in the 2-row-floor mode (enable_bf16); and its heads fit (head dim
+    a multiple of 32, query heads a multiple of kv heads)."""
+    if getattr(model, "_specmesh_cpu_gemm", False):  # True only where the extension loaded
+        dtype = torch.float32
+    elif row_exact >= 2 and getattr(model, "_specmesh_row_attn_bf16", False):
+        dtype = torch.bfloat16
+    else:
         return False
     heads = model.config.num_attention_heads
-    return all(kv.pool.dtype == torch.float32 and kv.pool.device.type == "cpu" and kv.pool.head_dim % 32 == 0
+    return all(kv.pool.dtype == dtype and kv.pool.device.type == "cpu" and kv.pool.head_dim % 32 == 0
                and heads % kv.pool.kv_heads == 0 for kv in kvs)
 
 
-def takes(n: int, tree) -> bool:
-    """Whether a sequence's n new rows go to the kernel (a tree always; a chain of up to MAX_ROWS)."""
-    return tree is not None or n <= MAX_ROWS
+def takes(n: int, tree, exact: bool = False) -> bool:
+    """Whether a sequence's n new rows go to the kernel: a tree, any row-exact step's rows (the
+    one-token step's kernel for all of them), else a chain of up to MAX_ROWS."""
+    return tree is not None or exact or n <= MAX_ROWS
 
 
 def _long(xs) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.long)
 
 
-def plan(kvs, sizes: list[int], trees: list) -> tuple[list[RowPlan], list[bool]]:
+def plan(kvs, sizes: list[int], trees: list, exact: bool = False) -> tuple[list[RowPlan], list[bool]]:
     """The row plans of a step, one per pool (the target's shared pool: one): kvs[b] holds sizes[b]
-    new rows, trees[b] its [n, n] bool ancestor mask or None (a chain). Also, per sequence,
-    whether the kernel takes it."""
+    new rows, trees[b] its [n, n] bool ancestor mask or None (a chain); exact: a row-exact step.
+    Also, per sequence, whether the kernel takes it."""
     groups: dict[int, dict[str, list]] = {}
     taken, at = [], 0
     for kv, n, tree in zip(kvs, sizes, trees):
@@ -74,7 +93,7 @@ def plan(kvs, sizes: list[int], trees: list) -> tuple[list[RowPlan], list[bool]]
         base, cached = kv.start, kv.length
         g["new"] += range(at, at + n)
         g["write"] += range(base + cached, base + cached + n)
-        taken.append(takes(n, tree))
+        taken.append(takes(n, tree, exact))
         if taken[-1]:
             g["index"] += range(at, at + n)
             g["start"] += [base] * n

@@ -13,6 +13,19 @@ by up to ~0.5) and a near-tie argmax can flip (docs/numerics.md). While `rows(Tr
 * attention computes each query row alone against exactly the slots it sees (kv.pool_attention);
 * the LM head runs in chunks of its own probed count (kv.lm_head).
 
+The mesh's own kernels (row_exact=2, `batch_invariant: own`): some libraries run a one-row product
+on a kernel of its own (a GEMV) and every product of 2 or more rows on one GEMM whose rows do not
+depend on the row count. Seen on an AMD EPYC (Zen 4, avx512_bf16, no AMX), bf16 576x1536 (the
+MLP's down projection): one-row calls differ from batched rows on 10 of 64 wide-range rows, while
+every batched call up to 64 rows equals the first row of 2-row calls. install therefore probes a
+linear whose one-row count is below CHEAP_ROWS a second time with every call of fewer than 2 rows
+padded to 2 (the row repeated): the 2-row floor. Under rows(2) such a linear runs padded and in
+chunks of that count in every step, the one-token decode included, and bf16 attention rows take
+the row kernel (row_attn.enable_bf16): speculative output is bitwise the mesh's own decode in
+that mode, which rounds apart from HF's one-row decode (in bf16 a near-tie flips against HF
+`generate` in about half of 64-token outputs: docs/numerics.md). rows(1) (`batch_invariant:
+true`) keeps HF's one-row kernels.
+
 Element-wise ops, RMSNorm (a per-row reduction) and RoPE do not depend on the row count. Prefill
 is not affected: it is already the call the target alone makes, as long as it is not packed with
 other prompts (TargetEngine prefills one prompt per forward in this mode).
@@ -41,7 +54,7 @@ import torch.nn.functional as F
 from specmesh.engine import cpu_gemm, quant
 from specmesh.engine.loader import dtype_name
 
-_ACTIVE: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_row_exact", default=False)
+_ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("specmesh_row_exact", default=0)  # 0 / 1 / 2 (floor)
 
 PROBE_ROWS = 64  # largest batched row count probed for the decoder's linears
 PROBE_HEAD_ROWS = 32  # ... and for the LM head (a bigger GEMM: V x H)
@@ -52,8 +65,10 @@ CHEAP_ROWS = 8  # batch_invariant auto: deterministic when every probed count re
 
 
 @contextlib.contextmanager
-def rows(active: bool):
-    token = _ACTIVE.set(active)
+def rows(active: bool | int):
+    """Steps inside run row-exact: 0 / False off, 1 / True HF's one-row kernels, 2 the 2-row floor
+    where install found it (module docstring)."""
+    token = _ACTIVE.set(int(active))
     try:
         yield
     finally:
@@ -83,17 +98,33 @@ def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return out.copy_(vals)
 
 
+def floored(apply, floor: int):
+    """apply with every call of fewer than `floor` rows padded to `floor` (its last row repeated).
+    apply(x [M, in], W, b) -> [M, out]."""
+    if floor <= 1:
+        return apply
+
+    def run(x, w, b=None):
+        m = x.shape[0]
+        if m >= floor:
+            return apply(x, w, b)
+        return apply(torch.cat([x, x[-1:].expand(floor - m, -1)]), w, b)[:m]
+
+    return run
+
+
 def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
-               apply=F.linear, trials: int = PROBE_TRIALS) -> int:
-    """The smallest invariant_rows of apply(x, W', b') over `trials` draws of wide-range W', b', x
-    shaped, strided and typed like weight / bias, rounded down to a power of two. weight: [out,
-    in]; bias: [out] or None; apply(x [M, in], W', b') -> [M, out].
+               apply=F.linear, trials: int = PROBE_TRIALS, floor: int = 1) -> int:
+    """The smallest invariant_rows of floored(apply, floor)(x, W', b') over `trials` draws of
+    wide-range W', b', x shaped, strided and typed like weight / bias, rounded down to a power of
+    two. weight: [out, in]; bias: [out] or None; apply(x [M, in], W', b') -> [M, out].
 
     Why the rounding: libraries block M in powers of two, and rows past a block (a tail kernel)
     can match the one-row calls on some data and not on other. Seen on an Intel Xeon (AMX), bf16
     576x576: over 16 draws the count was 32 in half of them and 34..64 in the rest; 4 draws gave
     36, and a 36-row chunk of real activations then differed from the one-row calls."""
     found = max_rows
+    apply_f = floored(apply, floor)
     shape = tuple(weight.shape)
     if apply is not F.linear:  # the packed kernel: per output column one FMA chain over `in`, whatever
         shape = (min(shape[0], KERNEL_PROBE_OUT), shape[1])  # `out`: a few panels probe it as well as all
@@ -103,7 +134,7 @@ def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
             w = _wide(shape, weight, gen)
             b = _wide(shape[:1], bias, gen) if bias is not None else None
             x = _wide((max_rows + 1, weight.shape[1]), weight, gen)
-            found = min(found, invariant_rows(lambda r: apply(r, w, b), x))
+            found = min(found, invariant_rows(lambda r: apply_f(r, w, b), x))
             if found == 0:
                 break
     return 1 << (found.bit_length() - 1) if found else 0
@@ -114,18 +145,36 @@ def _apply_of(mod: torch.nn.Linear):
     return cpu_gemm.kernel_apply() if getattr(mod, "_specmesh_packed", None) is not None else F.linear
 
 
+def _probe(weight, bias, max_rows: int, apply, trials: int) -> tuple[int, int]:
+    """(one-row count, 2-row-floor count): the second is probed only where the first is below
+    CHEAP_ROWS (else 0: the floor is never used for this product)."""
+    rows = probe_rows(weight, bias, max_rows, apply=apply, trials=trials)
+    if rows >= CHEAP_ROWS:
+        return rows, 0
+    return rows, probe_rows(weight, bias, max_rows, apply=apply, trials=trials, floor=2)
+
+
+def chunking(one: int, two: int, mode: int) -> tuple[int, int]:
+    """(rows per call, row floor) of a product probed (one, two), under rows(mode): the 2-row
+    floor where mode 2 asks for it and it reaches further than the one-row calls."""
+    if mode >= 2 and two > one:
+        return max(1, two), 2
+    return max(1, one), 1
+
+
 def _probe_linears(model: torch.nn.Module) -> None:
-    """Set ``_specmesh_rows`` on every decoder nn.Linear: its probed invariant row count (one probe
-    per distinct shape / strides / dtype / device / bias presence / kernel)."""
-    seen: dict[tuple, int] = {}
+    """Set ``_specmesh_rows`` (one-row count) and ``_specmesh_rows2`` (2-row-floor count) on every
+    decoder nn.Linear (one probe per distinct shape / strides / dtype / device / bias presence /
+    kernel)."""
+    seen: dict[tuple, tuple[int, int]] = {}
     for mod in model.model.modules():
         if isinstance(mod, torch.nn.Linear):
             w = mod.weight
             kernel = getattr(mod, "_specmesh_packed", None) is not None
             key = (tuple(w.shape), w.dtype, str(w.device), mod.bias is not None, w.stride(), kernel)
             if key not in seen:
-                seen[key] = probe_rows(w, mod.bias, PROBE_ROWS, apply=_apply_of(mod))
-            mod._specmesh_rows = seen[key]
+                seen[key] = _probe(w, mod.bias, PROBE_ROWS, _apply_of(mod), PROBE_TRIALS)
+            mod._specmesh_rows, mod._specmesh_rows2 = seen[key]
 
 
 def route(model: torch.nn.Module) -> None:
@@ -149,24 +198,25 @@ def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not _ACTIVE.get() or x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
     x2 = x.reshape(-1, x.shape[-1])  # [M, in] (a packed batch is contiguous: a view)
-    step = max(1, getattr(self, "_specmesh_rows", 0))
+    step, floor = chunking(getattr(self, "_specmesh_rows", 0), getattr(self, "_specmesh_rows2", 0), _ACTIVE.get())
+    lin = floored(F.linear, floor)
     if x2.shape[0] <= step:
-        return F.linear(x2, self.weight, self.bias).view(*x.shape[:-1], -1)
+        return lin(x2, self.weight, self.bias).view(*x.shape[:-1], -1)
     # each chunk a 2-D [m, in] matrix: one mm, as the one-token step's folded [1, 1, in] input
-    out = torch.cat([F.linear(x2[i : i + step], self.weight, self.bias) for i in range(0, x2.shape[0], step)])
+    out = torch.cat([lin(x2[i : i + step], self.weight, self.bias) for i in range(0, x2.shape[0], step)])
     return out.view(*x.shape[:-1], -1)
 
 
 def install(model: torch.nn.Module) -> torch.nn.Module:
     """Route the decoder's linears through linear_forward (inactive, i.e. HF's own calls, unless
-    a step runs under rows(True)) and probe them and the LM head. Idempotent."""
+    a step runs under rows(1 or 2)) and probe them and the LM head. Idempotent."""
     if getattr(model, "_specmesh_row_exact", False):
         return model
     route(model)
     _probe_linears(model)
     head = model.get_output_embeddings()  # [V, H], the model's dtype (kv.lm_head)
-    model._specmesh_head_rows = probe_rows(head.weight, None, PROBE_HEAD_ROWS, apply=_apply_of(head),
-                                          trials=PROBE_HEAD_TRIALS)
+    model._specmesh_head_rows, model._specmesh_head_rows2 = _probe(
+        head.weight, None, PROBE_HEAD_ROWS, _apply_of(head), PROBE_HEAD_TRIALS)
     model._specmesh_row_exact = True
     return model
 
@@ -175,23 +225,47 @@ def is_installed(model: torch.nn.Module) -> bool:
     return bool(getattr(model, "_specmesh_row_exact", False))
 
 
-def head_rows(model: torch.nn.Module) -> int:
-    """Probed invariant row count of the LM head product (0 when not installed)."""
-    return int(getattr(model, "_specmesh_head_rows", 0))
+def head_chunking(model: torch.nn.Module, mode: int) -> tuple[int, int]:
+    """(rows per call, row floor) of the LM head product under rows(mode) (install must have run)."""
+    return chunking(int(getattr(model, "_specmesh_head_rows", 0)), int(getattr(model, "_specmesh_head_rows2", 0)), mode)
 
 
-def probed(model: torch.nn.Module) -> dict[str, int]:
-    """What install probed: {linear shape 'out x in dtype': rows, ..., 'lm_head': rows} (for logs)."""
+def probed(model: torch.nn.Module, mode: int = 1) -> dict[str, int]:
+    """What install probed, as rows(mode) runs it: {linear shape 'out x in dtype': rows per call,
+    ..., 'lm_head dtype': rows} (for logs; ' (2-row floor)' appended where the floor is used)."""
     out = {}
     for mod in model.model.modules():
         if isinstance(mod, torch.nn.Linear) and hasattr(mod, "_specmesh_rows"):
             w = mod.weight
-            out[f"{w.shape[0]}x{w.shape[1]} {dtype_name(w.dtype)}"] = mod._specmesh_rows
-    out[f"lm_head {dtype_name(model.get_output_embeddings().weight.dtype)}"] = head_rows(model)
+            step, floor = chunking(mod._specmesh_rows, mod._specmesh_rows2, mode)
+            out[f"{w.shape[0]}x{w.shape[1]} {dtype_name(w.dtype)}{' (2-row floor)' if floor > 1 else ''}"] = (
+                mod._specmesh_rows if floor == 1 else step)
+    step, floor = head_chunking(model, mode)
+    head = f"lm_head {dtype_name(model.get_output_embeddings().weight.dtype)}{' (2-row floor)' if floor > 1 else ''}"
+    out[head] = int(getattr(model, "_specmesh_head_rows", 0)) if floor == 1 else step
     return out
 
 
-def cheap(model: torch.nn.Module) -> bool:
-    """Whether deterministic verification costs almost nothing on this machine: every probed
-    count is at least CHEAP_ROWS (install must have run)."""
-    return is_installed(model) and min(probed(model).values()) >= CHEAP_ROWS
+def cheap(model: torch.nn.Module, mode: int = 1) -> bool:
+    """Whether deterministic verification under rows(mode) costs almost nothing on this machine:
+    every probed count is at least CHEAP_ROWS (install must have run)."""
+    return is_installed(model) and min(probed(model, mode).values()) >= CHEAP_ROWS
+
+
+def auto_mode(model: torch.nn.Module) -> int:
+    """`batch_invariant: auto`: 1 where HF's one-row kernels make the mode cheap, else 0 (install
+    must have run). Never 2: the mesh's own kernels round apart from HF's one-row decode, and in
+    bf16 that flips a near-tie against HF `generate` in about half of 64-token outputs
+    (docs/numerics.md), so they are one key away (`own`), not the default."""
+    return 1 if cheap(model, 1) else 0
+
+
+def mode_for(model: torch.nn.Module, setting: bool | str) -> int:
+    """target_worker.batch_invariant -> the row-exact mode: true -> 1 (HF's one-row kernels),
+    "own" -> 2 (the mesh's own: the 2-row floor where probed, bf16 attention rows on the row
+    kernel), false -> 0; "auto": auto_mode.
+    Installs (probes) wherever the mode may be on."""
+    if setting in ("auto", "own"):
+        install(model)
+        return auto_mode(model) if setting == "auto" else 2
+    return int(bool(setting))

@@ -3,7 +3,10 @@ the services' default dtype: a verify forward over several positions, padded bes
 sequences or shaped as a tree, gives each position the logits of the one-token steps the target
 alone would take — bit for bit (torch.equal), not to a tolerance. Without row_exact the same
 forward is a different GEMM and its logits move (the reason this mode exists); that is measured
-and printed here, not asserted, since it depends on the BLAS library."""
+and printed here, not asserted, since it depends on the BLAS library. Mode 2 (the 2-row floor,
+what `batch_invariant: auto` picks where only it is cheap, e.g. a Zen 4 EPYC in bf16) is checked
+against its own one-token steps (its attention on the row kernel where it builds); where the
+probe installed no floor its linears run as in mode 1."""
 
 from __future__ import annotations
 
@@ -11,7 +14,7 @@ import pytest
 import torch
 
 from specmesh.core.tree import tree_layout
-from specmesh.engine import rowexact
+from specmesh.engine import row_attn, rowexact
 from specmesh.engine.kv import batched_step
 
 pytestmark = pytest.mark.model
@@ -23,37 +26,50 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def model(target_model_bf16):
-    return rowexact.install(target_model_bf16)  # transparent unless a step asks for row_exact
+    model = rowexact.install(target_model_bf16)  # transparent unless a step asks for row_exact
+    row_attn.enable_bf16(model)  # mode 2's attention on the row kernel, as the worker runs it
+    return model
 
 
-def test_chain_verify_is_bitwise_the_one_token_steps(model, prefilled, one_token_steps):
+MODES = pytest.mark.parametrize("mode", [1, 2])
+
+
+def _ref_mode(mode: int) -> int:
+    """The one-token steps a mode is bitwise: HF's own one-row calls (1), its own padded ones (2)."""
+    return 0 if mode == 1 else mode
+
+
+@MODES
+def test_chain_verify_is_bitwise_the_one_token_steps(model, prefilled, one_token_steps, mode):
     prompt, drafts = _tokens(0, 90), _tokens(1, 6)
-    ref = one_token_steps(model, prompt, drafts)
+    ref = one_token_steps(model, prompt, drafts, _ref_mode(mode))
     kv = prefilled(model, prompt)
-    exact = batched_step(model, [kv], [drafts], row_exact=True)[0].logits
+    exact = batched_step(model, [kv], [drafts], row_exact=mode)[0].logits
     assert torch.equal(exact, ref)
     batched = batched_step(model, [kv], [drafts])[0].logits
     print(f"without row_exact: max |logit diff| {float((batched - ref).abs().max()):.4f}")
 
 
-def test_padded_batch_rows_are_bitwise_each_sequence_alone(model, prefilled, one_token_steps):
+@MODES
+def test_padded_batch_rows_are_bitwise_each_sequence_alone(model, prefilled, one_token_steps, mode):
     """Three sequences of different lengths and draft counts in one packed forward."""
     prompts = [_tokens(10, 40), _tokens(11, 73), _tokens(12, 9)]
     drafts = [_tokens(20, 5), _tokens(21, 2), _tokens(22, 1)]
-    refs = [one_token_steps(model, p, d) for p, d in zip(prompts, drafts)]
+    refs = [one_token_steps(model, p, d, _ref_mode(mode)) for p, d in zip(prompts, drafts)]
     kvs = [prefilled(model, p) for p in prompts]
-    outs = batched_step(model, kvs, drafts, row_exact=True)
+    outs = batched_step(model, kvs, drafts, row_exact=mode)
     for out, ref in zip(outs, refs):
         assert torch.equal(out.logits, ref)
     # the KV of the new tokens is the one-token steps' too: continuing after them stays exact
     for kv, d in zip(kvs, drafts):
         kv.commit(len(d))
-    nxt = batched_step(model, kvs, [[7], [8, 9], [10]], row_exact=True)
+    nxt = batched_step(model, kvs, [[7], [8, 9], [10]], row_exact=mode)
     for p, d, extra, out in zip(prompts, drafts, [[7], [8, 9], [10]], nxt):
-        assert torch.equal(out.logits, one_token_steps(model, p, d + extra)[len(d):])
+        assert torch.equal(out.logits, one_token_steps(model, p, d + extra, _ref_mode(mode))[len(d):])
 
 
-def test_tree_nodes_are_bitwise_their_ancestor_path(model, prefilled, one_token_steps):
+@MODES
+def test_tree_nodes_are_bitwise_their_ancestor_path(model, prefilled, one_token_steps, mode):
     """Node i sees the context and its ancestors; its logits equal the one-token steps along
     root -> ... -> i, whatever its siblings."""
     prompt = _tokens(30, 50)
@@ -61,10 +77,10 @@ def test_tree_nodes_are_bitwise_their_ancestor_path(model, prefilled, one_token_
     parents = [-1, 0, 0, 1, 1, 2]  # over [root, drafts]; tree_layout takes the drafts' (root = -1)
     mask, depth = tree_layout([p - 1 for p in parents[1:]])
     kv = prefilled(model, prompt)
-    out = batched_step(model, [kv], [toks], new_masks=[mask], depths=[depth], row_exact=True)[0]
+    out = batched_step(model, [kv], [toks], new_masks=[mask], depths=[depth], row_exact=mode)[0]
     for node in range(len(toks)):
         path = root_path(parents, node)
-        ref = one_token_steps(model, prompt, [toks[i] for i in path])
+        ref = one_token_steps(model, prompt, [toks[i] for i in path], _ref_mode(mode))
         assert torch.equal(out.logits[node], ref[-1]), f"node {node} (path {path})"
 
 
@@ -87,7 +103,8 @@ def test_equal_length_one_token_rows_are_bitwise_each_alone(model, prefilled, on
         assert torch.equal(out.logits, one_token_steps(model, p, [t]))
 
 
-def test_a_packed_batch_wider_than_one_gemm_chunk_is_bitwise_each_sequence_alone(model, prefilled):
+@MODES
+def test_a_packed_batch_wider_than_one_gemm_chunk_is_bitwise_each_sequence_alone(model, prefilled, mode):
     """Five 9-node trees and eight 6-position chains: 45 and 48 packed rows, past the probed row
     count of every linear here (32 on an AMX Xeon), so the linears run in several chunks. Each
     sequence's logits equal its verify alone (which the tests above tie to the one-token steps).
@@ -101,7 +118,7 @@ def test_a_packed_batch_wider_than_one_gemm_chunk_is_bitwise_each_sequence_alone
         layouts = [tree_mask(n, gen) if trees else (None, None) for _ in kvs]
         toks = [_tokens(80 + b, n + 1) for b in range(batch)]
         masks, depths = [m for m, _ in layouts], [d for _, d in layouts]
-        together = batched_step(model, kvs, toks, new_masks=masks, depths=depths, row_exact=True)
+        together = batched_step(model, kvs, toks, new_masks=masks, depths=depths, row_exact=mode)
         for b, out in enumerate(together):
-            alone = batched_step(model, [kvs[b]], [toks[b]], new_masks=[masks[b]], depths=[depths[b]], row_exact=True)
+            alone = batched_step(model, [kvs[b]], [toks[b]], new_masks=[masks[b]], depths=[depths[b]], row_exact=mode)
             assert torch.equal(out.logits, alone[0].logits), f"trees={trees} sequence {b}"

@@ -153,6 +153,14 @@ def test_env_string_and_bool_values():
     assert cfg.runtime.log_level == "DEBUG"
 
 
+def test_batch_invariant_takes_true_false_auto_or_own():
+    for value, want in (("own", "own"), ("auto", "auto"), ("true", True), ("false", False)):
+        cfg = load_config(environ={"SPECMESH_TARGET_WORKER__BATCH_INVARIANT": value})
+        assert cfg.target_worker.batch_invariant == want
+    with raises_naming("target_worker.batch_invariant"):
+        load_config(environ={"SPECMESH_TARGET_WORKER__BATCH_INVARIANT": "mine"})
+
+
 def test_env_empty_value_means_null():
     cfg = load_config(environ={"SPECMESH_DRAFT_WORKER__DRAFT_MODEL__NAME": ""})
     assert cfg.draft_worker.draft_model.name is None

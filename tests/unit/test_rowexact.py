@@ -142,12 +142,65 @@ def test_linears_run_in_chunks_of_their_probed_row_count(monkeypatch, prefilled,
             assert torch.equal(out, one_token_steps(model, prompt, drafts))
 
 
-def test_auto_is_deterministic_exactly_where_the_probe_finds_it_cheap(monkeypatch):
+def test_auto_is_deterministic_exactly_where_the_probe_finds_hf_kernels_cheap(monkeypatch):
+    """auto: HF's one-row kernels where they batch (mode 1), else off, even where the 2-row floor
+    would batch (own kernels: one key away, `own` -> mode 2); the floor is probed only where the
+    one-row count is short."""
     from target_worker.engine import resolve_batch_invariant
 
     model = _tiny()
-    for rows, expect in ((rowexact.CHEAP_ROWS, True), (1, False)):
-        monkeypatch.setattr(rowexact, "probe_rows", lambda *a, rows=rows, **k: rows)
+    cheap = rowexact.CHEAP_ROWS
+    for one, two, expect in ((cheap, 0, 1), (1, 64, 0), (0, cheap, 0), (1, cheap - 1, 0), (0, 0, 0)):
+        floors = []
+
+        def fake(*a, floor=1, one=one, two=two, **k):
+            floors.append(floor)
+            return two if floor == 2 else one
+
+        monkeypatch.setattr(rowexact, "probe_rows", fake)
         model._specmesh_row_exact = False
-        assert resolve_batch_invariant(model, "auto") is expect
-    assert resolve_batch_invariant(model, True) is True and resolve_batch_invariant(model, False) is False
+        assert resolve_batch_invariant(model, "auto") == expect, (one, two)
+        assert (2 in floors) == (one < cheap)
+        assert resolve_batch_invariant(model, "own") == 2
+        assert rowexact.cheap(model, 2) == (max(one, two) >= cheap)
+    assert resolve_batch_invariant(model, True) == 1 and resolve_batch_invariant(model, False) == 0
+
+
+def test_two_row_floor_where_one_row_products_run_a_kernel_of_their_own(monkeypatch, prefilled, one_token_steps):
+    """A 'GEMV' that rounds one-row products differently from every batched call (as bf16
+    576x1536 does on a Zen 4 EPYC): the one-row probe finds no rows, the 2-row-floor probe its
+    limit: the mode is cheap with the mesh's own kernels only. There no call has fewer than 2 rows,
+    the one-token decode included, so a verify is bitwise that mode's one-token steps (and not HF's
+    one-row decode)."""
+    real = torch.nn.functional.linear
+
+    def gemv(x, w, b=None):  # batched: each row alone (row-invariant by construction); one row: apart
+        x2 = x.reshape(-1, x.shape[-1])
+        out = torch.cat([real(r[None], w, b) for r in x2]).view(*x.shape[:-1], -1)
+        return out + 1e-3 if x2.shape[0] == 1 else out
+
+    monkeypatch.setattr(rowexact.F, "linear", gemv)
+    model = rowexact.install(_tiny())
+    assert rowexact.cheap(model, 2) and not rowexact.cheap(model, 1) and rowexact.auto_mode(model) == 0
+    assert rowexact.probed(model, 2) == {
+        **{f"{n}x{m} float32 (2-row floor)": rowexact.PROBE_ROWS for n, m in ((32, 32), (16, 32), (64, 32), (32, 64))},
+        "lm_head float32 (2-row floor)": rowexact.PROBE_HEAD_ROWS}
+    prompt, drafts = [3, 9, 4, 17, 8], [5, 6, 7]
+    calls = []
+
+    def spy(x, w, b=None):
+        calls.append(x.reshape(-1, x.shape[-1]).shape[0])
+        return gemv(x, w, b)
+
+    monkeypatch.setattr(rowexact.F, "linear", spy)
+    ref = one_token_steps(model, prompt, drafts, row_exact=2)
+    kv = prefilled(model, prompt)
+    del calls[:]
+    exact = batched_step(model, [kv], [drafts], row_exact=2)[0].logits
+    one = batched_step(model, [kv], [drafts[:1]], row_exact=2)[0].logits  # a one-token step in mode 2
+    assert calls and min(calls) >= 2  # every product of the verify and of the one-token step: >= 2 rows
+    assert torch.equal(one, ref[:1])
+    assert torch.equal(exact, ref)
+    assert torch.equal(batched_step(model, [prefilled(model, prompt)], [drafts], row_exact=1)[0].logits,
+                       one_token_steps(model, prompt, drafts, row_exact=1))  # mode 1: one row per call
+    assert not torch.equal(exact, one_token_steps(model, prompt, drafts))  # HF's one-row decode rounds apart

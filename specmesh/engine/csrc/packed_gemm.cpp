@@ -227,5 +227,5 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T + bias from packed panels, float32, row-invariant (AVX2/FMA)");
-  m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32");
+  m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32 or bf16");
 }

@@ -1,5 +1,7 @@
-// out[t] = softmax(q[t] . K_t^T * scale) V_t for each query row t alone, float32, AVX2/FMA: the
-// attention of a decode or verify step, every row over exactly the slots it sees.
+// out[t] = softmax(q[t] . K_t^T * scale) V_t for each query row t alone, AVX2/FMA: the attention of
+// a decode or verify step, every row over exactly the slots it sees. float32, or bfloat16 q / k / v
+// (each value widened to float32 exactly as it is loaded, the same float32 arithmetic, the output
+// rounded to bf16 once at the end: the deterministic mode's 2-row floor, rowexact.py).
 //
 // The slots row t sees: the contiguous pool slots [start[t], start[t] + len[t]) (its sequence's
 // cache, plus, for a chain, the new rows up to itself), then the pool slots
@@ -46,6 +48,13 @@ inline __m256 exp8(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
 }
 
+// Eight consecutive values as float32: loaded, or widened from bf16 (its bits are float32's top half).
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
+}
+
 struct Slots {  // the slots one row sees, in order
   const int64_t start, len, *extra, n_extra;
   int64_t count() const { return len + n_extra; }
@@ -54,17 +63,18 @@ struct Slots {  // the slots one row sees, in order
 
 // Scores of G query heads (q: [G, D]) against every slot of one kv head (k: [S, D]), times scale,
 // into s[g * stride + j]. Two accumulators per dot product, summed then reduced in a fixed order.
-void scores(const float* q, int64_t G, int64_t D, const float* k, const Slots& sl, float scale, float* s,
+template <typename T>
+void scores(const float* q, int64_t G, int64_t D, const T* k, const Slots& sl, float scale, float* s,
             int64_t stride) {
   const int64_t n = sl.count();
   for (int64_t j = 0; j < n; ++j) {
-    const float* kr = k + sl[j] * D;
+    const T* kr = k + sl[j] * D;
     for (int64_t g = 0; g < G; ++g) {
       const float* qg = q + g * D;
       __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
       for (int64_t d = 0; d < D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), _mm256_loadu_ps(kr + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), _mm256_loadu_ps(kr + d + 8), a1);
+        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(kr + d), a0);
+        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), load8(kr + d + 8), a1);
       }
       s[g * stride + j] = hsum(_mm256_add_ps(a0, a1)) * scale;
     }
@@ -89,18 +99,19 @@ float softmax_weights(float* s, int64_t n) {
 }
 
 // o[0 .. D) = sum_j p[j] v[slot j] / total, 32 columns at a time (four FMA chains in slot order).
-void weighted_values(const float* p, float total, int64_t D, const float* v, const Slots& sl, float* o) {
+template <typename T>
+void weighted_values(const float* p, float total, int64_t D, const T* v, const Slots& sl, float* o) {
   const int64_t n = sl.count();
   const __m256 inv = _mm256_set1_ps(1.0f / total);
   for (int64_t d = 0; d < D; d += 32) {
     __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
     for (int64_t j = 0; j < n; ++j) {
-      const float* vr = v + sl[j] * D + d;
+      const T* vr = v + sl[j] * D + d;
       const __m256 w = _mm256_set1_ps(p[j]);
-      a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr), a0);
-      a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 8), a1);
-      a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 16), a2);
-      a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(vr + 24), a3);
+      a0 = _mm256_fmadd_ps(w, load8(vr), a0);
+      a1 = _mm256_fmadd_ps(w, load8(vr + 8), a1);
+      a2 = _mm256_fmadd_ps(w, load8(vr + 16), a2);
+      a3 = _mm256_fmadd_ps(w, load8(vr + 24), a3);
     }
     _mm256_storeu_ps(o + d, _mm256_mul_ps(a0, inv));
     _mm256_storeu_ps(o + d + 8, _mm256_mul_ps(a1, inv));
@@ -109,21 +120,49 @@ void weighted_values(const float* p, float total, int64_t D, const float* v, con
   }
 }
 
+struct RowArgs {  // one step's rows: float32 queries and output, slot lists, shapes
+  const float* q;
+  float* o;
+  const int64_t *start, *len, *off, *extra;
+  int64_t H, D, KV, G, ks, vs;
+  float scale;
+};
+
+// Every (row, kv head) of the step alone (rows over threads; see the top of the file).
+template <typename T>
+void attend_rows(const RowArgs& a, const T* kp, const T* vp, int64_t T_rows) {
+  at::parallel_for(0, T_rows * a.KV, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> s;
+    for (int64_t i = i0; i < i1; ++i) {
+      const int64_t t = i / a.KV, h = i % a.KV;
+      const Slots sl{a.start[t], a.len[t], a.extra ? a.extra + a.off[t] : nullptr, a.off[t + 1] - a.off[t]};
+      const int64_t n = sl.count(), stride = (n + 7) / 8 * 8;
+      s.assign(a.G * stride, 0.0f);
+      scores(a.q + (t * a.H + h * a.G) * a.D, a.G, a.D, kp + h * a.ks, sl, a.scale, s.data(), stride);
+      for (int64_t g = 0; g < a.G; ++g) {
+        const float total = softmax_weights(s.data() + g * stride, n);
+        weighted_values(s.data() + g * stride, total, a.D, vp + h * a.vs, sl, a.o + (t * a.H + h * a.G + g) * a.D);
+      }
+    }
+  });
+}
+
 }  // namespace
 
 // q: [T, H, D]; k, v: [KV, S, D] (one layer of the pool; each head's slots contiguous);
 // start, len: [T] int64; off: [T + 1] int64; extra: [E] int64 (pool slots) -> [T, H, D].
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor start,
                             torch::Tensor len, torch::Tensor off, torch::Tensor extra, double scale) {
-  TORCH_CHECK(q.scalar_type() == at::kFloat && k.scalar_type() == at::kFloat && v.scalar_type() == at::kFloat,
-              "row attention: float32 only");
+  const auto dt = q.scalar_type();
+  TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && k.scalar_type() == dt && v.scalar_type() == dt,
+              "row attention: q, k, v all float32 or all bfloat16");
   TORCH_CHECK(q.dim() == 3 && k.dim() == 3 && v.sizes() == k.sizes() && q.size(2) == k.size(2),
               "row attention: q [T, H, D], k and v [KV, S, D]");
   TORCH_CHECK(k.stride(2) == 1 && k.stride(1) == k.size(2) && v.stride(2) == 1 && v.stride(1) == v.size(2),
               "row attention: each head's slots must be contiguous");
   const int64_t T = q.size(0), H = q.size(1), D = q.size(2), KV = k.size(0), S = k.size(1), G = H / KV;
   TORCH_CHECK(H % KV == 0 && D % 32 == 0, "row attention: heads a multiple of kv heads, head dim of 32s");
-  auto qc = q.contiguous();
+  auto qc = q.to(at::kFloat).contiguous();  // [T, H, D] float32 (bf16 widened exactly)
   auto st = start.contiguous(), ln = len.contiguous(), of = off.contiguous(), ex = extra.contiguous();
   TORCH_CHECK(st.numel() == T && ln.numel() == T && of.numel() == T + 1, "row attention: one slot range per row");
   const int64_t *sp = st.data_ptr<int64_t>(), *lp = ln.data_ptr<int64_t>(), *op = of.data_ptr<int64_t>();
@@ -134,22 +173,13 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
     for (int64_t e = op[t]; e < op[t + 1]; ++e) TORCH_CHECK(ep[e] >= 0 && ep[e] < S, "row attention: slot past the pool");
   }
   auto out = torch::empty({T, H, D}, qc.options());
-  const float *qp = qc.data_ptr<float>(), *kp = k.data_ptr<float>(), *vp = v.data_ptr<float>();
-  float* o = out.data_ptr<float>();
-  const int64_t ks = k.stride(0), vs = v.stride(0);
-  at::parallel_for(0, T * KV, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s;
-    for (int64_t i = i0; i < i1; ++i) {
-      const int64_t t = i / KV, h = i % KV;
-      const Slots sl{sp[t], lp[t], ep ? ep + op[t] : nullptr, op[t + 1] - op[t]};
-      const int64_t n = sl.count(), stride = (n + 7) / 8 * 8;
-      s.assign(G * stride, 0.0f);
-      scores(qp + (t * H + h * G) * D, G, D, kp + h * ks, sl, static_cast<float>(scale), s.data(), stride);
-      for (int64_t g = 0; g < G; ++g) {
-        const float total = softmax_weights(s.data() + g * stride, n);
-        weighted_values(s.data() + g * stride, total, D, vp + h * vs, sl, o + (t * H + h * G + g) * D);
-      }
-    }
-  });
-  return out;
+  const RowArgs a{qc.data_ptr<float>(), out.data_ptr<float>(), sp, lp, op, ep, H, D, KV, G, k.stride(0), v.stride(0),
+                  static_cast<float>(scale)};
+  if (dt == at::kFloat) {
+    attend_rows(a, k.data_ptr<float>(), v.data_ptr<float>(), T);
+    return out;
+  }
+  attend_rows(a, reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+              reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), T);
+  return out.to(at::kBFloat16);  // one rounding, round-to-nearest-even
 }
