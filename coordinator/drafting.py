@@ -12,7 +12,7 @@ import time
 
 from specmesh.core.features import FeatureFeed
 from specmesh.core.tree import build_tree
-from specmesh.core.types import DraftProposal
+from specmesh.core.types import DraftProposal, NgramBurst
 from specmesh.errors import DeadlineExceeded, SpecmeshError
 
 log = logging.getLogger(__name__)
@@ -20,9 +20,63 @@ log = logging.getLogger(__name__)
 
 class Drafting:
     """Uses the Generation's req, method, k, local, drafts, predraft, tails, feed, feature_spec,
-    seq_id, out, stats, rounds, draft_timeout_s, _guess, _drafted_any, _remaining and
-    _wants_features; sets _predrafted (this round's draft was a pre-draft that hit) and, with
+    control, lookup, decode_steps, seq_id, out, stats, rounds, draft_timeout_s, _guess,
+    _drafted_any, _remaining and _wants_features; sets method / k / _key / _chose_zero (this
+    round's drafter, k and policy key), _predrafted (this round's draft was a pre-draft that hit) and, with
     tails, _table / _tail_waited (this round's tail, and whether the round waited for it)."""
+
+    def _settings(self) -> tuple[str, int]:
+        """This round's (drafter, k): the request's own, through the hot switch when there is one."""
+        method, k = (self.req.method, self.req.k) if self.control is None \
+            else self.control.effective(self.req.method, self.req.k)
+        if self.drafts is None and method not in self.local:
+            return "off", 0
+        return (method, k) if k > 0 else ("off", 0)
+
+    def _k_this_round(self) -> int:
+        # a round emits up to k+1 tokens: never draft past max_tokens
+        self.method, self.k = self._settings()
+        ready, coming = 0, False
+        if self.predraft is not None and self.method not in self.local:
+            context = self.req.prompt_ids + self.out.token_ids
+            ready, coming = self.predraft.ready(context), self.predraft.in_flight(context)
+        self._key = self._tail_key() if self._tail_mode() else self.method  # the round policy's key
+        k = self.rounds.k(self._key, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready,
+                          coming=coming)
+        if k and self.method not in self.local and not self._tier_up():
+            k = 0  # no draft worker to ask now: a round of the target alone (a burst), no Propose to fail
+        drafted = self.rounds.nodes if k and self.req.tree_budget > 0 else k  # a tree's k: its nodes
+        self.stats.chosen_k[drafted] = self.stats.chosen_k.get(drafted, 0) + 1
+        self._chose_zero = k == 0
+        return k
+
+    def _burst(self, draft, k: int) -> tuple[int, NgramBurst | None]:
+        """(target steps this round asks for in one Verify call, the target's prompt lookup for
+        them). n-gram drafted here with `lookup` set: decode_steps steps, the first verifying this
+        round's draft and each later one a draft the target looks up itself (up to k tokens): one
+        hop for several rounds, as HF's in-process prompt lookup pays none. Beside others, a round
+        that comes back after one step re-joins the target's batch a hop later, and the batch's next
+        step waits for it or leaves it out (one-step n-gram rounds: 0.82-0.95x AR at concurrency
+        4-16, session 17, docs/bench/round_policy.md). Otherwise up to decode_steps plain steps while
+        speculation is off or in a round the round policy chose k = 0 for (not with pre-drafts,
+        which guess the next round's context), else one."""
+        if self.decode_steps <= 1:
+            return 1, None
+        left = max(1, self.req.max_tokens - len(self.out.token_ids))
+        if self.lookup is not None and self.method == "ngram" and self.method in self.local:
+            return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left)
+        predrafting = self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
+        if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):
+            return min(self.decode_steps, left), None
+        return 1, None
+
+    def _tier_up(self) -> bool:
+        """Whether the draft tier has a worker for this method now (a pool that cannot tell: yes).
+        While every worker is down after a failure (GrpcDraftPool: for its retry_after_s), rounds
+        run as the target alone's, bursts included, instead of paying a failed Propose and a
+        one-step round each; the first round after a worker's retry time asks it again."""
+        available = getattr(self.drafts, "available", None)
+        return available is None or available(self.method)
 
     def _draft(self, k: int) -> DraftProposal:
         self._predrafted = False

@@ -58,6 +58,10 @@ class GrpcDraftPool:
     def update(self, records) -> None:
         self.members.update(records)
 
+    def available(self, method: str) -> bool:
+        """Whether a worker serving `method` may be asked now (none down for its retry time)."""
+        return self.members.any_usable(ok=lambda m: m.record is None or m.record.serves(method))
+
     def _pick(self, seq_id: str, method: str) -> Member:
         with self.members.lock:
             if not self.members.by_addr:

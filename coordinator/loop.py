@@ -38,7 +38,7 @@ from coordinator.roundpolicy import RoundPolicy
 from specmesh.core.features import FeatureFeed
 from specmesh.core.goodput import RateBook
 from specmesh.core.tree import DraftTree
-from specmesh.core.types import (DraftProposal, FeatureSpec, GenerationRequest, NgramBurst, SamplingParams, SpecStats,
+from specmesh.core.types import (DraftProposal, FeatureSpec, GenerationRequest, SamplingParams, SpecStats,
                                  VerifyOutcome)
 from specmesh.errors import Cancelled, DeadlineExceeded, NotFound, SpecmeshError, Unavailable
 from specmesh.tokenization import OutputAssembler
@@ -57,6 +57,7 @@ class DraftPool(Protocol):
     def propose(self, seq_id: str, context: list[int], k: int, method: str, params: SamplingParams,
                 round_: int, timeout: float, calls: list | None = None, budget_s: float = 0.0) -> DraftProposal: ...
     def release(self, seq_id: str) -> None: ...
+    # optional: def available(self, method: str) -> bool (a worker may be asked now; Drafting._tier_up)
 
 
 @dataclass
@@ -141,49 +142,6 @@ class Generation(Drafting):
     def _emit(self, tokens: list[int]) -> Chunk:
         ids, text = self.out.add(tokens)
         return Chunk(ids, text, self.out.finish_reason)
-
-    def _settings(self) -> tuple[str, int]:
-        """This round's (drafter, k): the request's own, through the hot switch when there is one."""
-        method, k = (self.req.method, self.req.k) if self.control is None \
-            else self.control.effective(self.req.method, self.req.k)
-        if self.drafts is None and method not in self.local:
-            return "off", 0
-        return (method, k) if k > 0 else ("off", 0)
-
-    def _k_this_round(self) -> int:
-        # a round emits up to k+1 tokens: never draft past max_tokens
-        self.method, self.k = self._settings()
-        ready, coming = 0, False
-        if self.predraft is not None and self.method not in self.local:
-            context = self.req.prompt_ids + self.out.token_ids
-            ready, coming = self.predraft.ready(context), self.predraft.in_flight(context)
-        self._key = self._tail_key() if self._tail_mode() else self.method  # the round policy's key
-        k = self.rounds.k(self._key, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready,
-                          coming=coming)
-        drafted = self.rounds.nodes if k and self.req.tree_budget > 0 else k  # a tree's k: its nodes
-        self.stats.chosen_k[drafted] = self.stats.chosen_k.get(drafted, 0) + 1
-        self._chose_zero = k == 0
-        return k
-
-    def _burst(self, draft, k: int) -> tuple[int, NgramBurst | None]:
-        """(target steps this round asks for in one Verify call, the target's prompt lookup for
-        them). n-gram drafted here with `lookup` set: decode_steps steps, the first verifying this
-        round's draft and each later one a draft the target looks up itself (up to k tokens): one
-        hop for several rounds, as HF's in-process prompt lookup pays none. Beside others, a round
-        that comes back after one step re-joins the target's batch a hop later, and the batch's next
-        step waits for it or leaves it out (one-step n-gram rounds: 0.82-0.95x AR at concurrency
-        4-16, session 17, docs/bench/round_policy.md). Otherwise up to decode_steps plain steps while
-        speculation is off or in a round the round policy chose k = 0 for (not with pre-drafts,
-        which guess the next round's context), else one."""
-        if self.decode_steps <= 1:
-            return 1, None
-        left = max(1, self.req.max_tokens - len(self.out.token_ids))
-        if self.lookup is not None and self.method == "ngram" and self.method in self.local:
-            return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left)
-        predrafting = self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
-        if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):
-            return min(self.decode_steps, left), None
-        return 1, None
 
     def _wants_features(self) -> bool:
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS

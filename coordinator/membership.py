@@ -67,6 +67,12 @@ class Members:
         r = next(self._rr) % len(usable)
         return usable[r:] + usable[:r]
 
+    def any_usable(self, ok: Callable[[Member], bool] = lambda m: True) -> bool:
+        """Whether candidates(ok=ok) would name anyone now (takes the lock; rotates nothing)."""
+        now = time.monotonic()
+        with self.lock:
+            return any(not m.draining and m.down_until <= now and ok(m) for m in self.by_addr.values())
+
     def mark_down(self, member: Member, seconds: float) -> None:
         with self.lock:
             member.down_until = time.monotonic() + seconds

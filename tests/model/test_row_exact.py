@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from specmesh.core.tree import tree_layout
-from specmesh.engine import row_attn, rowexact
+from specmesh.engine import cpu_gemm, row_attn, rowexact
 from specmesh.engine.kv import batched_step
 
 pytestmark = pytest.mark.model
@@ -44,6 +44,8 @@ def test_chain_verify_is_bitwise_the_one_token_steps(model, prefilled, one_token
     prompt, drafts = _tokens(0, 90), _tokens(1, 6)
     ref = one_token_steps(model, prompt, drafts, _ref_mode(mode))
     kv = prefilled(model, prompt)
+    if mode == 2:  # the attention rows take the row kernel wherever it builds (the worker's path)
+        assert row_attn.usable(model, [kv], 2) == (cpu_gemm.load() is not None)
     exact = batched_step(model, [kv], [drafts], row_exact=mode)[0].logits
     assert torch.equal(exact, ref)
     batched = batched_step(model, [kv], [drafts])[0].logits

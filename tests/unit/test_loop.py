@@ -466,3 +466,43 @@ def test_speculative_rounds_never_burst():
     gen = Generation(request(max_tokens=9, k=2), target, drafts, FakeTokenizer(), {EOS}, 5.0, decode_steps=4)
     run_all(gen)
     assert gen.out.token_ids == SCRIPT[:9] and set(target.steps) == {1}
+
+
+def test_rounds_while_the_draft_tier_has_no_worker_run_as_the_target_alone_in_bursts():
+    """A pool that says no worker may be asked now (all down for their retry time): those rounds
+    send no Propose and decode in bursts; once a worker may be asked again, rounds draft again."""
+    up = {"now": False}
+
+    class TierDown(FakeDrafts):
+        def available(self, method):
+            assert method == "ngram"
+            return up["now"]
+
+    target, drafts = BurstTarget(), TierDown()
+    gen = Generation(request(max_tokens=9, k=2), target, drafts, FakeTokenizer(), {EOS}, 5.0, decode_steps=4)
+    run_all(gen)
+    assert gen.out.token_ids == SCRIPT[:9] and target.steps == [4, 4] and drafts.calls == []
+    assert gen.stats.draft_failures == 0 and gen.stats.chosen_k == {0: 2}
+    up["now"] = True
+    target, drafts = BurstTarget(), TierDown()
+    gen = Generation(request(max_tokens=9, k=2), target, drafts, FakeTokenizer(), {EOS}, 5.0, decode_steps=4)
+    run_all(gen)
+    assert gen.out.token_ids == SCRIPT[:9] and drafts.calls and set(target.steps) == {1}
+
+
+def test_grpc_pool_is_unavailable_while_every_worker_serving_the_method_is_down():
+    from coordinator.draftpool import GrpcDraftPool
+
+    pool = GrpcDraftPool(("127.0.0.1:1", "127.0.0.1:2"), retry_after_s=30.0)
+    try:
+        assert pool.available("block")
+        members = pool.members.snapshot()
+        pool.members.mark_down(members[0], 30.0)
+        assert pool.available("block")
+        pool.members.mark_down(members[1], 30.0)
+        assert not pool.available("block")
+        pool.members.mark_down(members[0], 0.0)
+        assert pool.available("block")
+    finally:
+        for m in pool.members.snapshot():
+            m.client.close()

@@ -50,6 +50,23 @@ def test_matches_sdpa_and_each_row_is_bitwise_its_own_call(heads, kv_heads, d):
     assert torch.equal(again, out[shuffled])
 
 
+def test_bf16_rows_are_the_float32_kernel_on_the_widened_values_rounded_once():
+    """batch_invariant own: bf16 q / k / v are widened exactly (bf16 is float32's top half), the
+    float32 arithmetic runs unchanged and the output is rounded to bf16 once; each row is still
+    bitwise its own call. Mixed dtypes are refused."""
+    gen = torch.Generator().manual_seed(7)
+    k, v = torch.randn(3, 300, 64, generator=gen).bfloat16(), (torch.randn(3, 300, 64, generator=gen) * 4).bfloat16()
+    rows = [(0, 1, []), (0, 256, []), (0, 257, []), (20, 30, [290, 291])]
+    q = (torch.randn(len(rows), 9, 64, generator=gen) * 2).bfloat16()
+    out = _call(q, k, v, rows, 0.125)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, _call(q.float(), k.float(), v.float(), rows, 0.125).bfloat16())
+    for t, row in enumerate(rows):
+        assert torch.equal(_call(q[t : t + 1], k, v, [row], 0.125)[0], out[t]), t
+    with pytest.raises(RuntimeError, match="all float32 or all bfloat16"):
+        _call(q, k.float(), v.float(), rows, 0.125)
+
+
 def test_rows_that_see_no_slot_or_slots_past_the_pool_are_refused():
     k = v = torch.zeros(2, 10, 32)
     q = torch.zeros(1, 2, 32)
