@@ -105,8 +105,9 @@ def test_every_round_starts_one_table_with_the_rows_committed_since_the_last():
     assert all(c for _, _, c in drafts.calls)  # candidate tables only
     assert drafts.calls[0][1] is True  # the prefill's window, whole
     assert not any(complete for _, complete, _ in drafts.calls[1:])  # then deltas only (checked by the tier)
-    # one table per round (its last may be cancelled at the end); anchors strictly grow
-    assert gen.stats.rounds <= len(drafts.calls) <= gen.stats.rounds + 1
+    # one table per round; the last round's is dropped at the end, before the executor ran it
+    # when the request ends first (seen under load: 10 rounds, 9 calls); anchors strictly grow
+    assert gen.stats.rounds - 1 <= len(drafts.calls) <= gen.stats.rounds + 1
     assert [n for n, _, _ in drafts.calls] == sorted({n for n, _, _ in drafts.calls})
 
 
