@@ -65,7 +65,8 @@ class Drafting:
         left = max(1, self.req.max_tokens - len(self.out.token_ids))
         if self.lookup is not None and self.method == "ngram" and self.method in self.local:
             return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left)
-        predrafting = self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
+        predrafting = (self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
+                       and self._tier_up())
         if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):
             return min(self.decode_steps, left), None
         return 1, None
@@ -124,6 +125,8 @@ class Drafting:
         (and, when round r drafted one token more, that the target's own token is that one)."""
         guess, self._guess = self._guess, None
         if self.predraft is None or self.method in self.local or self.method == "off" or draft.parents is not None:
+            return
+        if not self._tier_up():  # no worker to ask: nothing to pre-draft on
             return
         base = context + list(draft.token_ids) + ([guess] if guess is not None else [])
         budget_s = self.rounds.predraft_budget_s(self.method, len(draft.token_ids) + 1)

@@ -468,9 +468,13 @@ def test_speculative_rounds_never_burst():
     assert gen.out.token_ids == SCRIPT[:9] and set(target.steps) == {1}
 
 
-def test_rounds_while_the_draft_tier_has_no_worker_run_as_the_target_alone_in_bursts():
+@pytest.mark.parametrize("overlap", [False, True])
+def test_rounds_while_the_draft_tier_has_no_worker_run_as_the_target_alone_in_bursts(overlap):
     """A pool that says no worker may be asked now (all down for their retry time): those rounds
-    send no Propose and decode in bursts; once a worker may be asked again, rounds draft again."""
+    send no Propose (nor a pre-draft) and decode in bursts; once a worker may be asked again,
+    rounds draft again."""
+    from concurrent.futures import ThreadPoolExecutor
+
     up = {"now": False}
 
     class TierDown(FakeDrafts):
@@ -478,15 +482,20 @@ def test_rounds_while_the_draft_tier_has_no_worker_run_as_the_target_alone_in_bu
             assert method == "ngram"
             return up["now"]
 
+    def run(drafts, target):
+        with ThreadPoolExecutor(1) as pool:
+            gen = Generation(request(max_tokens=9, k=2), target, drafts, FakeTokenizer(), {EOS}, 5.0, decode_steps=4,
+                             overlap=pool if overlap else None)
+            run_all(gen)
+        return gen
+
     target, drafts = BurstTarget(), TierDown()
-    gen = Generation(request(max_tokens=9, k=2), target, drafts, FakeTokenizer(), {EOS}, 5.0, decode_steps=4)
-    run_all(gen)
+    gen = run(drafts, target)
     assert gen.out.token_ids == SCRIPT[:9] and target.steps == [4, 4] and drafts.calls == []
     assert gen.stats.draft_failures == 0 and gen.stats.chosen_k == {0: 2}
     up["now"] = True
     target, drafts = BurstTarget(), TierDown()
-    gen = Generation(request(max_tokens=9, k=2), target, drafts, FakeTokenizer(), {EOS}, 5.0, decode_steps=4)
-    run_all(gen)
+    gen = run(drafts, target)
     assert gen.out.token_ids == SCRIPT[:9] and drafts.calls and set(target.steps) == {1}
 
 
