@@ -22,8 +22,9 @@ class Drafting:
     """Uses the Generation's req, method, k, local, drafts, predraft, tails, feed, feature_spec,
     control, lookup, decode_steps, seq_id, out, stats, rounds, draft_timeout_s, _guess,
     _drafted_any, _remaining and _wants_features; sets method / k / _key / _chose_zero (this
-    round's drafter, k and policy key), _predrafted (this round's draft was a pre-draft that hit) and, with
-    tails, _table / _tail_waited (this round's tail, and whether the round waited for it)."""
+    round's drafter, k, policy key, and whether k = 0 was chosen), _predrafted (this round's draft
+    was a pre-draft that hit) and, with tails, _table / _tail_waited (this round's tail, and
+    whether the round waited for it)."""
 
     def _settings(self) -> tuple[str, int]:
         """This round's (drafter, k): the request's own, through the hot switch when there is one."""
