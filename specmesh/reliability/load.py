@@ -21,7 +21,8 @@ PROMPTS = ("Count from 1 to 30, separated by commas.", "Write a haiku about the 
            "Explain what a hash map is in two sentences.", "List five fruits and their colours.",
            "Write a Python function that reverses a string.", "Tell a very short story about a robot.",
            "Name the planets of the solar system.", "Give three tips for writing clear code.")
-METHODS = ("ngram", "draft_model")
+METHODS = ("ngram", "draft_model", "block")  # block: an 8-node tree from candidate tables (coordinator/tails.py)
+BLOCK_TREE = 8
 RETRYABLE = ("UNAVAILABLE",)
 
 
@@ -46,6 +47,8 @@ def request(prompt: int, method: str, max_tokens: int) -> pb.GenerateRequest:
     req = pb.GenerateRequest(prompt=PROMPTS[prompt], max_tokens=max_tokens)
     req.sampling.temperature = 0.0
     req.speculation.method = method
+    if method == "block":
+        req.speculation.tree_budget = BLOCK_TREE
     return req
 
 
