@@ -36,6 +36,14 @@ def pytest_configure(config: pytest.Config) -> None:
 # ---------------------------------------------------------------------------- model fixtures
 
 MODEL_TEST_DTYPE = os.environ.get("SPECMESH_TEST_DTYPE", "float32")
+# where the model tier runs (cpu | cuda | cuda:N): the target, its bf16 twin, the services' drafters
+# and the block drafter all go there; cpu unless asked, so a GPU box runs the CI's tier unless told
+MODEL_TEST_DEVICE = os.environ.get("SPECMESH_TEST_DEVICE", "cpu")
+
+
+def on_cpu() -> bool:
+    """Whether the model tier runs on the CPU (where the CPU kernels can take a step)."""
+    return MODEL_TEST_DEVICE == "cpu"
 
 
 @pytest.fixture(scope="session")
@@ -63,7 +71,7 @@ def target_model(model_dir: Path):
     """
     from specmesh.engine.loader import load_model
 
-    return load_model(model_dir, MODEL_TEST_DTYPE)
+    return load_model(model_dir, MODEL_TEST_DTYPE, MODEL_TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +79,7 @@ def target_model_bf16(model_dir: Path):
     """The default model in bf16, the services' default dtype (see target_model)."""
     from specmesh.engine.loader import load_model
 
-    return load_model(model_dir, "bfloat16")
+    return load_model(model_dir, "bfloat16", MODEL_TEST_DEVICE)
 
 
 @pytest.fixture(scope="session")
@@ -203,6 +211,7 @@ def start_services(target_model, prompt_encoder, overrides: dict | None = None,
     addr = {name: f"127.0.0.1:{port}" for name, port in zip(ALL_SERVICES, free_ports(len(ALL_SERVICES)))}
     base = {
         "runtime": {"log_level": "WARNING"},
+        "model": {"device": MODEL_TEST_DEVICE},
         "gateway": {"listen": addr["gateway"], "coordinator": addr["coordinator"], "max_workers": 16},
         # local_ngram false: n-gram stands in for a model drafter here, so its rounds cross the draft tier
         "coordinator": {"listen": addr["coordinator"], "draft_workers": [addr["draft_worker"]],
@@ -229,7 +238,8 @@ def start_services(target_model, prompt_encoder, overrides: dict | None = None,
             if "draft_model" in w.methods:
                 dm = w.draft_model
                 if draft_model is None and (dm.name or dm.path):  # as build_drafters does
-                    _, draft_model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest)
+                    _, draft_model = load_configured_model(dm.name, dm.path, dm.dtype, cfg.model.require_manifest,
+                                                            cfg.model.device)
                 stack.drafters["draft_model"] = ModelDrafter(draft_model if draft_model is not None else target_model,
                                                              w.max_batch_size, w.cache_max_sequences,
                                                              proposal_top_k=dm.proposal_top_k)

@@ -256,7 +256,13 @@ def auto_mode(model: torch.nn.Module) -> int:
     """`batch_invariant: auto`: 1 where HF's one-row kernels make the mode cheap, else 0 (install
     must have run). Never 2: the mesh's own kernels round apart from HF's one-row decode, and in
     bf16 that flips a near-tie against HF `generate` in about half of 64-token outputs
-    (docs/numerics.md), so they are one key away (`own`), not the default."""
+    (docs/numerics.md), so they are one key away (`own`), not the default. Off a CPU, 0: cheap
+    linears do not make the mode cheap there, since each verified row's attention is a call of
+    its own (one kernel launch per row and layer; on an H200 in bf16, every linear probed
+    invariant to 32+ rows, a 9-position verify cost 1.9x and a 16-node tree 3.5x the batched
+    one: docs/bench/engine.md#11)."""
+    if next(model.parameters()).device.type != "cpu":
+        return 0
     return 1 if cheap(model, 1) else 0
 
 

@@ -5,6 +5,8 @@ windows kept exact, and the probe's row-count search."""
 
 from __future__ import annotations
 
+import types
+
 import pytest
 import torch
 
@@ -164,6 +166,20 @@ def test_auto_is_deterministic_exactly_where_the_probe_finds_hf_kernels_cheap(mo
         assert resolve_batch_invariant(model, "own") == 2
         assert rowexact.cheap(model, 2) == (max(one, two) >= cheap)
     assert resolve_batch_invariant(model, True) == 1 and resolve_batch_invariant(model, False) == 0
+
+
+def test_auto_is_off_off_the_cpu(monkeypatch):
+    """Off a CPU the per-row attention calls make the mode dear whatever the linears probe (an
+    H200: 1.9x at 9 positions), so auto is off there and `true` / `own` still switch it on."""
+    from target_worker.engine import resolve_batch_invariant
+
+    model = _tiny()
+    monkeypatch.setattr(rowexact, "probe_rows", lambda *a, **k: 64)
+    assert resolve_batch_invariant(model, "auto") == 1 and rowexact.cheap(model, 1)
+    meta = types.SimpleNamespace(device=torch.device("meta"))
+    monkeypatch.setattr(type(model), "parameters", lambda self, recurse=True: iter([meta]))
+    assert resolve_batch_invariant(model, "auto") == 0 and rowexact.cheap(model, 1)
+    assert resolve_batch_invariant(model, True) == 1 and resolve_batch_invariant(model, "own") == 2
 
 
 def test_two_row_floor_where_one_row_products_run_a_kernel_of_their_own(monkeypatch, prefilled, one_token_steps):
