@@ -54,8 +54,9 @@ class TargetEngine(ModelThread):
         self.cpu_kernel = bool(cpu_kernel) and cpu_gemm.install(model)
         self.row_exact = resolve_batch_invariant(model, batch_invariant)  # 0 / 1 / 2 (rowexact.rows)
         self.batch_invariant = bool(self.row_exact)
-        if self.row_exact == 2:  # the mesh's own kernels: bf16 attention rows on the row kernel too
-            row_attn.enable_bf16(model)
+        # bf16 attention rows on the row kernel: the mesh's own kernels (mode 2), and batched steps
+        # where the CPU kernels are allowed (row_attn.py: never the target alone's own steps)
+        row_attn.enable_bf16(model, self.row_exact == 2 or (self.row_exact == 0 and bool(cpu_kernel)))
         self.model = rowexact.install(model) if self.batch_invariant else model
         cfg = model.config.get_text_config()
         self.vocab_size, self.num_layers = cfg.vocab_size, cfg.num_hidden_layers

@@ -170,9 +170,11 @@ def _load(cfg, draft: bool) -> tuple:
         # the deterministic mode as the worker runs it: auto's pick where that is one, else true's
         rowexact.install(model)
         mode = rowexact.mode_for(model, cfg.target_worker.batch_invariant) or 1  # off: time true's
-        if mode == 2:
-            row_attn.enable_bf16(model)  # as the worker does (TargetEngine)
-        return model_dir, model, {**setup, "row_exact": mode, "row_exact_probe": rowexact.probed(model, mode)}
+        # as the worker does (TargetEngine): bf16 rows on the row kernel in mode 2, and in the batched
+        # mode where the CPU kernels are allowed (then mode 1's column keeps HF's SDPA)
+        bf16_rows = row_attn.enable_bf16(model, mode == 2 or bool(cfg.target_worker.cpu_kernel))
+        return model_dir, model, {**setup, "row_attn_bf16": bf16_rows, "row_exact": mode,
+                                  "row_exact_probe": rowexact.probed(model, mode)}
     model_dir, model, setup = load_draft_model(cfg)
     return model_dir, model, {"draft": True, **setup}
 

@@ -122,14 +122,14 @@ def main(argv=None) -> int:
     from specmesh.engine import cpu_gemm
 
     kernel = not args.no_cpu_kernel and cpu_gemm.install(model)  # as the target worker runs it by default
+    from specmesh.engine import row_attn
+
+    # bf16 rows on the row kernel as the worker allows it (TargetEngine): mode 2, or batched steps
+    row_attn.enable_bf16(model, args.row_floor == 2 if args.batch_invariant else not args.no_cpu_kernel)
     if args.batch_invariant:
         from specmesh.engine import rowexact
 
         rowexact.install(model)
-        if args.row_floor == 2:
-            from specmesh.engine import row_attn
-
-            row_attn.enable_bf16(model)  # as the worker does in that mode (TargetEngine)
         print(f"probed invariant rows: {rowexact.probed(model, args.row_floor)}")
     from specmesh.engine import attention
 
@@ -140,6 +140,7 @@ def main(argv=None) -> int:
     t0 = time.time()
     result = measure(model, prompts, args.max_tokens, args.k, args.row_floor if args.batch_invariant else 0, args.vs_hf)
     result.update(model=model_dir.name, dtype=args.dtype, dataset=args.dataset, cpu_kernel=kernel,
+                  row_attn_bf16=bool(getattr(model, "_specmesh_row_attn_bf16", False)),
                   attention_fold=attention.decisions(), seconds=round(time.time() - t0, 1))
     text = json.dumps(result, indent=2)
     if args.out:

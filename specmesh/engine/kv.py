@@ -240,7 +240,7 @@ def batched_step(
     for kv, toks in zip(kvs, inputs):
         kv.ensure(kv.length + len(toks))
     device = kvs[0].device
-    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact, row_attn.usable(model, kvs, int(row_exact)))
+    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact, row_attn.usable(model, kvs, int(row_exact), [len(t) for t in inputs]))
     ids = torch.tensor([t for toks in inputs for t in toks], dtype=torch.long).to(device)[None]  # [1, T]
     pos = torch.tensor(positions, dtype=torch.long).to(device)[None]  # [1, T]
     token = _PLAN.set(plan)

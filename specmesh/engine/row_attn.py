@@ -15,10 +15,15 @@ AVX-512), one thread, SmolLM2's 9 x 3 x 64 heads: one row at 256 slots 23 us (to
 
 Sequences whose rows do not fit (a long prompt's prefill: more than MAX_ROWS causal rows, and
 every row attends to all before it, outside the deterministic mode) keep torch SDPA; so do GPUs
-(kv.py's path), and bf16 models except in the deterministic mode's 2-row floor (rowexact.rows(2),
-enabled by enable_bf16): there the kernel widens bf16 to float32 as it loads and rounds its
-output once, which is not HF's bf16 SDPA bit for bit but is the mesh's own decode step, and it
-replaces one SDPA call per row per layer (on a Zen 4 EPYC, one bf16 row at 256 slots: ~255 us).
+(kv.py's path). bf16 CPU models take it where enable_bf16 allowed it: the kernel widens bf16 to
+float32 as it loads and rounds its output once, which is not HF's bf16 SDPA bit for bit, and it
+replaces one SDPA call per sequence (per row, deterministic) and layer (on a Zen 4 EPYC, one bf16
+row at 256 slots: ~255 us in SDPA, ~33 us here). In the 2-row-floor mode (rowexact.rows(2)) it
+is the mesh's own decode step, every step. In batched steps (not deterministic) it takes what is
+not the target alone's arithmetic anyway: never a lone one-token step and never a prefill (a
+sequence with nothing cached), so the target alone at concurrency 1 stays HF's SDPA, and its
+output HF `generate`'s; nor a sequence of more than BF16_MAX_ROWS rows, where one SDPA call over
+them is cheaper. The deterministic mode on HF's kernels (rows(1)) never takes it.
 """
 
 from __future__ import annotations
@@ -30,6 +35,10 @@ import torch
 from specmesh.engine import cpu_gemm
 
 MAX_ROWS = 64  # a sequence with more new rows than this (a prefill) keeps SDPA, unless it is a tree
+# bf16, batched: a sequence with more new rows keeps SDPA, whose one call over its rows costs less
+# from about 9 rows (a Zen 5 EPYC, 256 slots, 16 sequences: 5 rows 119 vs 137 ms, 9 rows 204 vs 195,
+# a 16-node tree 378 vs 313; docs/bench/engine.md#12)
+BF16_MAX_ROWS = 8
 
 
 @dataclass
@@ -47,22 +56,25 @@ class RowPlan:
     extra: torch.Tensor  # [E] long: pool slots (a tree row's path)
 
 
-def enable_bf16(model: torch.nn.Module) -> bool:
-    """Let bf16 CPU steps in the 2-row-floor deterministic mode take the kernel (built here, not
-    inside a step). True when it is available."""
+def enable_bf16(model: torch.nn.Module, on: bool = True) -> bool:
+    """Let bf16 CPU steps take the kernel (module docstring: the 2-row-floor mode, and batched
+    steps other than a lone one-token step or a prefill), or not (on=False). The kernel is built
+    here, not inside a step. True when it is allowed and available."""
     param = next(model.parameters())
-    ok = param.dtype == torch.bfloat16 and param.device.type == "cpu" and cpu_gemm.load() is not None
+    ok = on and param.dtype == torch.bfloat16 and param.device.type == "cpu" and cpu_gemm.load() is not None
     model._specmesh_row_attn_bf16 = ok
     return ok
 
 
-def usable(model: torch.nn.Module, kvs, row_exact: int = 0) -> bool:
+def usable(model: torch.nn.Module, kvs, row_exact: int = 0, sizes: list[int] | None = None) -> bool:
     """Whether this step can take the kernel: the model runs the packed CPU kernel (float32, CPU),
-    or it is a bf16 CPU model in the 2-row-floor mode (enable_bf16); and its heads fit (head dim
-    a multiple of 32, query heads a multiple of kv heads)."""
+    or it is a bf16 CPU model allowed it (enable_bf16) in the 2-row-floor mode or a batched step
+    that is not one sequence's one-token step (sizes: new rows per sequence); and its heads fit
+    (head dim a multiple of 32, query heads a multiple of kv heads)."""
     if getattr(model, "_specmesh_cpu_gemm", False):  # True only where the extension loaded
         dtype = torch.float32
-    elif row_exact >= 2 and getattr(model, "_specmesh_row_attn_bf16", False):
+    elif getattr(model, "_specmesh_row_attn_bf16", False) and (
+            row_exact >= 2 or (row_exact == 0 and sizes is not None and sum(sizes) > 1)):
         dtype = torch.bfloat16
     else:
         return False
@@ -93,7 +105,10 @@ def plan(kvs, sizes: list[int], trees: list, exact: bool = False) -> tuple[list[
         base, cached = kv.start, kv.length
         g["new"] += range(at, at + n)
         g["write"] += range(base + cached, base + cached + n)
-        taken.append(takes(n, tree, exact))
+        # bf16 outside the deterministic modes: a prefill keeps SDPA (HF's prompt KV: module
+        # docstring), and so do more than BF16_MAX_ROWS rows (cheaper there)
+        taken.append(takes(n, tree, exact) and (exact or kv.pool.dtype != torch.bfloat16
+                                                or 0 < cached and n <= BF16_MAX_ROWS))
         if taken[-1]:
             g["index"] += range(at, at + n)
             g["start"] += [base] * n

@@ -158,3 +158,51 @@ def test_a_long_prefill_beside_decode_rows_keeps_sdpa_and_matches_its_own_step(t
     assert torch.allclose(both[1].logits, ref.logits, atol=1e-5)
     assert torch.equal(fresh.keys(1, len(long_prompt)), alone.keys(1, len(long_prompt)))
     assert torch.equal(both[0].logits[0], _steps(tiny, _prefilled(tiny, pool, [3, 4, 5]), [6])[0])
+
+
+def test_bf16_batched_steps_take_the_kernel_but_never_the_target_alone_s_own_steps():
+    """bf16 outside the deterministic modes (enable_bf16): a step of several rows takes the kernel
+    (one call per layer instead of one SDPA call per sequence), but a lone one-token step and a
+    prefill keep SDPA, so the target alone's decode is untouched; mode 1 (HF's one-row kernels)
+    never takes it, and enable_bf16(model, False) switches it off."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from specmesh.engine.kv import batched_step
+    from specmesh.engine.pool import new_pool
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    pool = new_pool(model, 1024)
+    prompts = [[5, 9, 2, 40, 7, 1], [3, 8, 8, 20]]
+    kvs = [_prefilled(model, pool, p) for p in prompts]
+    calls, saved = [], cpu_gemm._EXT
+    real = ext.row_attention
+
+    def step(kv_list, inputs):
+        calls.clear()
+        return batched_step(model, kv_list, inputs)
+
+    try:
+        row_attn.enable_bf16(model)
+        cpu_gemm._EXT = type("Spy", (), {"row_attention": lambda self, *a: calls.append(1) or real(*a)})()
+        assert row_attn.usable(model, kvs, 0, [1, 1]) and row_attn.usable(model, kvs[:1], 0, [5])
+        assert not row_attn.usable(model, kvs[:1], 0, [1]) and not row_attn.usable(model, kvs, 1, [1, 1])
+        assert row_attn.usable(model, kvs[:1], 2, [1])
+        fresh = pool.allocate(16)
+        assert row_attn.plan([kvs[0], fresh], [1, 6], [None, None])[1] == [True, False]  # the prefill: SDPA
+        many = row_attn.BF16_MAX_ROWS + 1  # one SDPA call over many rows is cheaper
+        assert row_attn.plan(kvs, [row_attn.BF16_MAX_ROWS, many], [None, None])[1] == [True, False]
+        assert row_attn.plan(kvs, [many, 1], [None, None], exact=True)[1] == [True, True]
+        lone = step(kvs[:1], [[4]])[0].logits  # the target alone's step: torch SDPA, no kernel call
+        assert not calls
+        both = step(kvs, [[4], [6]])  # two sequences: the kernel, one call per layer
+        assert len(calls) == cfg.num_hidden_layers
+        assert torch.allclose(both[0].logits, lone, atol=0.25)  # bf16 rounding apart, not bitwise
+        row_attn.enable_bf16(model, False)
+        step(kvs, [[4], [6]])
+        assert not calls
+    finally:
+        cpu_gemm._EXT = saved
+        row_attn.enable_bf16(model, False)
