@@ -147,7 +147,7 @@ class Generation(Drafting):
         return self.feature_spec is not None and self.method in FEATURE_DRAFTERS
 
     def _round(self) -> list[int]:
-        draft_s = self.stats.draft_time_s
+        draft_s, started = self.stats.draft_time_s, time.monotonic()
         k = self._k_this_round()
         draft = self._draft(k)
         self._overlap(self.req.prompt_ids + self.out.token_ids, draft)
@@ -170,6 +170,7 @@ class Generation(Drafting):
         self.rounds.take_cost(outcome.cost)
         self.rounds.learn(self._key, draft, outcome.accepted,
                           None if self._predrafted else self.stats.draft_time_s - draft_s, emitted=outcome.tokens)
+        self.rounds.observe(self.method, bool(draft.token_ids), time.monotonic() - started, len(outcome.tokens))
         steps = self._record(draft, outcome)
         if self.predraft is not None and not self._tail_mode():  # (tails count in stats directly)
             self._predraft_stats()

@@ -8,6 +8,7 @@ from __future__ import annotations
 from specmesh.config import AUTOREGRESSIVE_DRAFTERS
 from specmesh.core.costmodel import VerifyCost
 from specmesh.core.goodput import KPolicy, RateBook, shared_cycle_s, skip_beats_drafting
+from specmesh.core.pace import PROBE_ROUNDS
 from specmesh.core.treepolicy import TreePolicy, emitted_by_budget, path_nodes
 from specmesh.core.types import DraftProposal
 
@@ -27,16 +28,46 @@ class RoundPolicy:
         # per drafted token for drafters that draft one token per forward (AUTOREGRESSIVE_DRAFTERS),
         # per round for the others
         self.draft_s: dict[str, float] = {}
+        self._probing = 0  # drafting rounds left in a probe of a losing drafter (core/pace.py)
+        self._drafted_last = False  # whether this request's last round drafted
 
     def k(self, method: str, fixed_k: int, limit: int, ready: int = 0, coming: bool = False) -> int:
         """This round's k for `method` (fixed_k when goodput does not apply), at most `limit`.
         For a tree: fixed_k (its depth cap) when the tree runs this round, 0 when it does not.
         ready: draft tokens already drafted for this round (a pre-draft hit): they cost no wait.
-        coming: a pre-draft that may still hit is in flight (a round that drafts waits for it)."""
+        coming: a pre-draft that may still hit is in flight (a round that drafts waits for it).
+        Under goodput, a k > 0 then passes the measured pace (core/pace.py): 0 where drafting
+        emits slower than the target alone."""
         policy = self._policy(method)
         self.nodes = self.tree_budget
         if policy is None:
             return max(0, min(fixed_k, limit))
+        k = self._goodput_k(policy, method, fixed_k, limit, ready, coming)
+        return self._paced(method.split("~", 1)[0], k) if k else 0  # a tail's key: its drafter's pace
+
+    def _paced(self, drafter: str, k: int) -> int:
+        """k through the pace book's gate; a probe of a losing drafter drafts PROBE_ROUNDS rounds."""
+        pace = self.rate_book.pace
+        if pace is None:
+            return k
+        if self._probing > 0:
+            self._probing -= 1
+            return k
+        got = pace.gate(drafter, k)
+        if got and pace.loses(drafter):
+            self._probing = PROBE_ROUNDS - 1
+        if not got:
+            self.nodes = 0
+        return got
+
+    def observe(self, method: str, drafted: bool, seconds: float, tokens: int) -> None:
+        """A round's wall seconds and emitted tokens, for the pace book (not for "off"; nor a
+        drafting round right after one that did not draft: core/pace.py)."""
+        settled, self._drafted_last = self._drafted_last, drafted
+        if self.rate_book.pace is not None and method != "off" and (settled or not drafted):
+            self.rate_book.pace.observe(method, drafted, seconds, tokens)
+
+    def _goodput_k(self, policy, method: str, fixed_k: int, limit: int, ready: int, coming: bool) -> int:
         # the forward's other sequences: the target's live ones, not only its recent mean batch.
         # Speculation itself pulls sequences out of step (each waits for its own draft), which
         # shrinks the mean batch, which made drafting look cheap: a self-fulfilling loss (the pair

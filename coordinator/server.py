@@ -17,6 +17,7 @@ from coordinator.control import SpeculationControl
 from coordinator.loop import Generation
 from specmesh.core.canary import CONTROL, Canary
 from specmesh.core.goodput import RateBook
+from specmesh.core.pace import PaceBook
 from specmesh.core.ngram import propose_ngram
 from specmesh.core.types import FeatureSpec, GenerationRequest
 from specmesh.config import ConfigError, MeshConfig
@@ -56,7 +57,9 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.model = observe.model_name(cfg)
         spec = cfg.speculative  # what the block drafter reads: asked of the target, sent on to the draft tier
         self.feature_spec = FeatureSpec(tuple(spec.feature_layers), spec.feature_window)
-        self.rate_book = RateBook()  # per-drafter acceptance rates, seeding each request's goodput k
+        # per-drafter acceptance rates, seeding each request's goodput k; the measured pace of
+        # drafting vs the target alone (speculative.pace_gate)
+        self.rate_book = RateBook(pace=PaceBook() if spec.pace_gate else None)
         # pre-drafting (coordinator.overlap_drafting) and block tables (coordinator.block_tables): one
         # Propose in flight per request at most
         c = cfg.coordinator

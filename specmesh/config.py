@@ -103,6 +103,9 @@ class SpeculativeConfig:
     # its own num_speculative_tokens is always fixed; a tree's node budget is chosen the same way.
     k_policy: str = "goodput"
     goodput_k_max: int = 8  # capped at max_speculative_tokens
+    # goodput only: a round that would draft runs with k = 0 where the drafter's measured wall time
+    # per emitted token exceeds the target alone's (core/pace.py)
+    pace_gate: bool = True
 
     def validate(self, key: str) -> None:
         _check(self.method in METHODS, f"{key}.method", f"one of {', '.join(METHODS)}")

@@ -40,6 +40,8 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specmesh.core.pace import PaceBook
+
 # a drafter's a_j before anything is measured: MT-Bench's n-gram rates, conditional (docs/bench)
 DEFAULT_SEED = (0.3, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8)
 # a draft model is a small sibling of the target (same tokenizer, same data): seeded optimistic,
@@ -136,10 +138,13 @@ class KPolicy:
 
 class RateBook:
     """Process-wide a_j per drafter: each request's KPolicy starts from its drafter's entry and
-    folds its rounds back in, so new requests start from what the mesh has seen (thread-safe)."""
+    folds its rounds back in, so new requests start from what the mesh has seen (thread-safe).
+    pace: the process-wide measured pace of drafting vs the target alone (core/pace.py), None: no
+    gate (speculative.pace_gate false)."""
 
-    def __init__(self, alpha: float = 0.02):
+    def __init__(self, alpha: float = 0.02, pace: PaceBook | None = None):
         self.alpha = alpha
+        self.pace = pace
         self._rates: dict[str, list[float]] = {}
         self._trees: dict[str, list[float]] = {}  # tokens per draft-tree round by node budget, by drafter
         self._lock = threading.Lock()

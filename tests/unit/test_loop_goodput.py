@@ -278,3 +278,31 @@ def test_ngram_rounds_burst_with_the_targets_prompt_lookup():
     assert max(g.max_tokens for g in target.lookups) == 59 and len(target.steps) < 59 / 4
     drafted = sum(len(d) for _, d, _ in target.verifies)
     assert drafted > 20 and gen.stats.drafted_tokens == drafted and gen.stats.emitted_tokens == 59
+
+
+class SlowDraftTarget(CostedTarget):
+    """Claims a cheap verify (so goodput drafts) but a round with drafts takes 30 ms of wall time
+    and one without 1 ms: what a hop, a coordinator's work or a CPU shared with the draft tier do."""
+
+    def verify(self, seq_id, draft, timeout):
+        import time
+
+        time.sleep(0.03 if draft.token_ids else 0.001)
+        return super().verify(seq_id, draft, timeout)
+
+
+def test_rounds_that_emit_slower_than_the_target_alone_are_turned_off_by_their_measured_pace():
+    from specmesh.core.pace import PaceBook
+
+    def run(target):
+        book = RateBook()
+        book.pace = PaceBook(min_rounds=1, every=4)
+        drafts = FakeDrafts()
+        return _run(target, drafts, max_tokens=150, book=book), book.pace.snapshot()["ngram"], drafts
+
+    gen, pace, drafts = run(SlowDraftTarget({1: 1.0, 9: 1.05}))  # output checked: the target's
+    assert pace["draft"][0] > pace["alone"][0] > 0  # ms a token: each round's wall time / its tokens
+    assert gen.stats.chosen_k.get(0, 0) >= gen.stats.rounds // 3  # gated to k = 0, but for the probes
+    assert 0 < len(drafts.calls) < gen.stats.rounds * 2 / 3  # the probes still ask the draft tier
+    fair, pace, _ = run(CostedTarget({1: 1.0, 9: 1.05}))  # drafting as fast as it claims: it keeps drafting
+    assert pace["draft"][0] < pace["alone"][0] and fair.stats.chosen_k.get(0, 0) <= 2

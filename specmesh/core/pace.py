@@ -1,0 +1,98 @@
+"""Whether drafting pays, as measured: wall seconds per emitted token of the rounds that drafted
+and of the rounds that did not (k = 0: the target alone, its decode bursts included), per drafter,
+process-wide (every request's rounds fold in). No grpc here.
+
+The goodput rule (core/goodput.py) prices a round by the target's forward alone. What it does not
+see shows up here: a Propose's hop and the coordinator's work per round, the several tokens a
+k = 0 round's burst buys per call, a draft tier sharing the target's CPU. Measured on a 2-core
+Zen 5 at concurrency 4 (session 23): block-tree rounds emitted 1.14 tokens in ~62 ms of wall time
+while the target alone's bursts took ~44 ms a token, so goodput, pricing only the forwards,
+drafted in 86% of rounds at 0.80x AR.
+
+RoundPolicy asks `gate` after goodput chose k > 0: where drafting's seconds per token exceed the
+target alone's by more than `margin`, the round runs with k = 0, except every `every`-th round of
+that drafter, which drafts anyway (the request then drafts PROBE_ROUNDS rounds in a row) so its
+arm keeps being measured; and every `every`-th drafting round runs with k = 0 while the target
+alone's arm has fewer than `min_rounds` rounds or has not been measured for `stale` rounds of the
+drafter, so both arms stay current as load moves. A request's drafting round right after a round
+that did not draft (its first, or after k = 0) is not counted: it waits for a draft that steady
+drafting has ready (the block drafter's table), so counting it biased a probe against drafting
+(a first version turned the block tree off at concurrency 1, where it paid 1.10x).
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+
+PROBE_ROUNDS = 3  # a probe of a losing drafter: this many drafting rounds in a row (the first uncounted)
+
+
+@dataclass
+class Arm:
+    seconds: float = 0.0  # EMA of a round's wall seconds
+    tokens: float = 0.0  # EMA of a round's emitted tokens
+    rounds: int = 0
+    last: int = 0  # the drafter's round count at this arm's latest round
+
+    @property
+    def s_per_token(self) -> float:  # a ratio of means: a 1-token and a 4-token round weigh by tokens
+        return self.seconds / self.tokens if self.tokens > 0 else 0.0
+
+
+class PaceBook:
+    def __init__(self, alpha: float = 0.1, min_rounds: int = 8, margin: float = 0.05, every: int = 16,
+                 stale: int = 128):
+        self.alpha, self.min_rounds, self.margin, self.every, self.stale = alpha, min_rounds, margin, every, stale
+        self._arms: dict[tuple[str, bool], Arm] = {}
+        self._ticks: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def observe(self, method: str, drafted: bool, seconds: float, tokens: int) -> None:
+        """Fold one round in: did it draft, its wall seconds, the tokens it emitted."""
+        if tokens <= 0 or seconds <= 0:
+            return
+        with self._lock:
+            arm = self._arms.setdefault((method, drafted), Arm())
+            if arm.rounds == 0:
+                arm.seconds, arm.tokens = seconds, float(tokens)
+            else:
+                arm.seconds += self.alpha * (seconds - arm.seconds)
+                arm.tokens += self.alpha * (tokens - arm.tokens)
+            arm.rounds += 1
+            arm.last = self._ticks.get(method, 0)
+
+    def loses(self, method: str) -> bool:
+        """Whether drafting with `method` emits slower than the target alone, both arms measured."""
+        with self._lock:
+            return self._loses(method)
+
+    def _loses(self, method: str) -> bool:
+        draft, alone = self._arms.get((method, True)), self._arms.get((method, False))
+        if draft is None or alone is None or min(draft.rounds, alone.rounds) < self.min_rounds:
+            return False
+        return draft.s_per_token > alone.s_per_token * (1.0 + self.margin)
+
+    def gate(self, method: str, k: int) -> int:
+        """This round's k once goodput chose k (> 0: drafting): 0 where drafting loses (but every
+        `every`-th round drafts), or to measure the target alone (module docstring)."""
+        if k <= 0:
+            return k
+        with self._lock:
+            tick = self._ticks.get(method, 0) + 1
+            self._ticks[method] = tick
+            probe = tick % self.every == 0
+            if self._loses(method):
+                return k if probe else 0
+            alone = self._arms.get((method, False))
+            unknown = alone is None or alone.rounds < self.min_rounds or tick - alone.last > self.stale
+            return 0 if probe and unknown else k
+
+    def snapshot(self) -> dict:
+        """{drafter: {'draft' | 'alone': (ms per token, rounds)}} for reports."""
+        with self._lock:
+            out: dict[str, dict] = {}
+            for (method, drafted), arm in self._arms.items():
+                out.setdefault(method, {})["draft" if drafted else "alone"] = (round(arm.s_per_token * 1e3, 2),
+                                                                              arm.rounds)
+            return out
