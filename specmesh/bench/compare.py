@@ -44,14 +44,21 @@ def machine_info() -> dict:
     import torch
     import transformers
 
-    cpu = platform.processor() or ""
-    try:
+    cpu, ids = platform.processor() or "", {}
+    try:  # the first processor's name, family and model ("AMD EPYC" alone names a Zen 3, 4 or 5)
         for line in open("/proc/cpuinfo", encoding="utf-8"):
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
+            key, _, value = line.partition(":")
+            key = key.strip()
+            if key in ("model name", "cpu family", "model") and key not in ids:
+                ids[key] = value.strip()
+            if not line.strip() and ids:
                 break
     except OSError:
         pass
+    if "model name" in ids:
+        cpu = ids["model name"]
+        if "cpu family" in ids and "model" in ids:
+            cpu += f" (family {ids['cpu family']} model {ids['model']})"
     return {
         "cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "torch_threads": torch.get_num_threads(),
         "transformers": transformers.__version__, "python": platform.python_version(),

@@ -297,3 +297,20 @@ def test_micro_runs_every_cell_on_a_tiny_model():
                          "machine": {"cpu": "x", "cores": 2, "torch": "t", "torch_threads": 1, "date": "d"}})
     assert "| 4 |" in md and "batch 3" in md and "**batched**" in md and "**batch_invariant**" in md
     assert "tree of 3" in md and "batched: batch 1 x 4 =" in md and "deterministic / default" in md
+
+
+def test_machine_info_names_the_cpu_family_and_model_where_cpuinfo_has_them():
+    """"AMD EPYC" alone names a Zen 3, 4 or 5: the report carries the family and model too."""
+    import re
+    from pathlib import Path
+
+    from specmesh.bench.compare import machine_info
+
+    info = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+    family = re.search(r"^cpu family\s*:\s*(\S+)", info, re.M)
+    model = re.search(r"^model\s*:\s*(\S+)", info, re.M)
+    cpu = machine_info()["cpu"]
+    if family and model and re.search(r"^model name", info, re.M):
+        assert cpu.endswith(f"(family {family.group(1)} model {model.group(1)})"), cpu
+    else:
+        assert "family" not in cpu
