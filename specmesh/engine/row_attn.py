@@ -83,10 +83,16 @@ def usable(model: torch.nn.Module, kvs, row_exact: int = 0, sizes: list[int] | N
                and heads % kv.pool.kv_heads == 0 for kv in kvs)
 
 
-def takes(n: int, tree, exact: bool = False) -> bool:
-    """Whether a sequence's n new rows go to the kernel: a tree, any row-exact step's rows (the
-    one-token step's kernel for all of them), else a chain of up to MAX_ROWS."""
-    return tree is not None or exact or n <= MAX_ROWS
+def takes(n: int, tree, exact: bool = False, cached: int = 1, bf16: bool = False) -> bool:
+    """Whether a sequence's n new rows (past `cached` slots) go to the kernel: any row-exact step's
+    rows (the one-token step's kernel for all of them); in a bf16 batched step, up to BF16_MAX_ROWS
+    rows of a sequence with a cache (a prefill keeps SDPA: HF's prompt KV, module docstring); else
+    a tree, or a chain of up to MAX_ROWS."""
+    if exact:
+        return True
+    if bf16:
+        return cached > 0 and n <= BF16_MAX_ROWS
+    return tree is not None or n <= MAX_ROWS
 
 
 def _long(xs) -> torch.Tensor:
@@ -105,10 +111,7 @@ def plan(kvs, sizes: list[int], trees: list, exact: bool = False) -> tuple[list[
         base, cached = kv.start, kv.length
         g["new"] += range(at, at + n)
         g["write"] += range(base + cached, base + cached + n)
-        # bf16 outside the deterministic modes: a prefill keeps SDPA (HF's prompt KV: module
-        # docstring), and so do more than BF16_MAX_ROWS rows (cheaper there)
-        taken.append(takes(n, tree, exact) and (exact or kv.pool.dtype != torch.bfloat16
-                                                or 0 < cached and n <= BF16_MAX_ROWS))
+        taken.append(takes(n, tree, exact, cached, kv.pool.dtype == torch.bfloat16))
         if taken[-1]:
             g["index"] += range(at, at + n)
             g["start"] += [base] * n
