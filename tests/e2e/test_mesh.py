@@ -353,7 +353,10 @@ def test_draft_worker_killed_mid_batch(up_mesh, gateway, e2e):
     assert len(finished_before_kill) < len(KILL_PROMPTS), "every request finished before the kill"
     assert sum(c[-1].spec.draft_failures for c in results) > 0
 
-    # later requests: still served, by the target alone, identical output, failures counted
+    # later requests: still served, by the target alone, identical output, failures counted. Within
+    # coordinator.draft_retry_after_s (1 s here) of the last failure the pool asks no worker (the
+    # round runs k = 0 and counts none); past it, the dead worker is asked again and fails
+    time.sleep(1.5)
     later = stub.Generate(request(KILL_PROMPTS[0], max_tokens=KILL_MAX_TOKENS, method="ngram", k=4,
                                   temperature=0.0), timeout=300)
     assert list(later.token_ids) == list(refs[0].token_ids)
