@@ -48,10 +48,13 @@ def on_cpu() -> bool:
 
 @pytest.fixture(scope="session")
 def model_dir() -> Path:
-    """The default model's verified cache dir (downloads and converts it on first use)."""
+    """The default model's verified cache dir (downloads and converts it on first use), or the HF
+    causal-LM dir in $SPECMESH_TEST_MODEL_DIR (any model the engine takes: the bitwise tests then
+    run on it; an offline GPU box with a random-weight model of the default's shapes, say)."""
     from specmesh.engine.fetch import fetch_model
 
-    return fetch_model(progress=False)
+    other = os.environ.get("SPECMESH_TEST_MODEL_DIR")
+    return Path(other) if other else fetch_model(progress=False)
 
 
 @pytest.fixture(scope="session")

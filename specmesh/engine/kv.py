@@ -205,9 +205,12 @@ def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool | int)
 def _lean_ok(model, plan: _Plan, rows: int, row_exact: bool) -> bool:
     """Whether the step takes lean.forward (bitwise HF's modules, fewer calls): every row on the
     row-attention kernel, and the linears on the packed kernel as HF's path would run them (all
-    rows where deterministic, else up to cpu_gemm.MAX_ROWS)."""
+    rows where deterministic, else up to cpu_gemm.MAX_ROWS; its norms take every row at once, so
+    a deterministic step only where they were probed invariant to that many or to the probe's
+    limit: a CPU's per-row reduction, which lean runs only on)."""
+    exact_ok = rowexact.norm_rows(model) >= min(rows, rowexact.PROBE_ROWS)
     return (plan.rows is not None and all(s.kernel for s in plan.seqs)
-            and (row_exact or rows <= cpu_gemm.MAX_ROWS) and lean.prepare(model))
+            and (exact_ok if row_exact else rows <= cpu_gemm.MAX_ROWS) and lean.prepare(model))
 
 
 @torch.inference_mode()

@@ -26,7 +26,10 @@ that mode, which rounds apart from HF's one-row decode (in bf16 a near-tie flips
 `generate` in about half of 64-token outputs: docs/numerics.md). rows(1) (`batch_invariant:
 true`) keeps HF's one-row kernels.
 
-Element-wise ops, RMSNorm (a per-row reduction) and RoPE do not depend on the row count. Prefill
+Element-wise ops and RoPE do not depend on the row count. A norm (RMSNorm, LayerNorm: a per-row
+reduction) does not on a CPU, but a GPU's reduction kernel may split a row's sum differently for
+few rows than for many, so install probes each norm like a linear and steps run it in chunks of
+its count (on a CPU: every count at its limit, one call). Prefill
 is not affected: it is already the call the target alone makes, as long as it is not packed with
 other prompts (TargetEngine prefills one prompt per forward in this mode).
 
@@ -44,58 +47,18 @@ worker sets before loading the model.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import types
 
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, quant
+from specmesh.engine import cpu_gemm, quant, rownorm
 from specmesh.engine.loader import dtype_name
+from specmesh.engine.rownorm import norm_rows  # noqa: F401 (kv._lean_ok asks it here)
+from specmesh.engine.rowprobe import (  # noqa: F401 (callers and tests read them here)
+    _ACTIVE, KERNEL_PROBE_OUT, PROBE_HEAD_ROWS, PROBE_HEAD_TRIALS, PROBE_ROWS, PROBE_TRIALS, _wide, invariant_rows, rows)
 
-_ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("specmesh_row_exact", default=0)  # 0 / 1 / 2 (floor)
-
-PROBE_ROWS = 64  # largest batched row count probed for the decoder's linears
-PROBE_HEAD_ROWS = 32  # ... and for the LM head (a bigger GEMM: V x H)
-PROBE_TRIALS = 12  # random draws per linear shape; the smallest count found wins
-PROBE_HEAD_TRIALS = 6  # ... for the LM head (each draw costs ~0.5 s there)
-KERNEL_PROBE_OUT = 96  # output columns a probe of the packed kernel draws (6 panels, odd pairs and tails)
 CHEAP_ROWS = 8  # batch_invariant auto: deterministic when every probed count reaches this
-
-
-@contextlib.contextmanager
-def rows(active: bool | int):
-    """Steps inside run row-exact: 0 / False off, 1 / True HF's one-row kernels, 2 the 2-row floor
-    where install found it (module docstring)."""
-    token = _ACTIVE.set(int(active))
-    try:
-        yield
-    finally:
-        _ACTIVE.reset(token)
-
-
-def invariant_rows(fn, rows: torch.Tensor) -> int:
-    """Largest M < len(rows) such that for every M' <= M, fn(rows[:M']) and fn(rows[1:1 + M'])
-    equal, bit for bit, the concatenation of one-row calls fn(rows[i:i+1]) (0 if even M=1 is not
-    reproducible). fn: [M, in] -> [M, out]; rows: [M_max, in]."""
-    singles = torch.cat([fn(rows[i : i + 1]) for i in range(rows.shape[0])])  # [M_max, out]
-    for m in range(1, rows.shape[0]):
-        if not (torch.equal(fn(rows[:m]), singles[:m]) and torch.equal(fn(rows[1 : 1 + m]), singles[1 : 1 + m])):
-            return m - 1
-    return rows.shape[0] - 1
-
-
-def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
-    """N(0,1) x 2^e, e uniform in -12..12, in like's dtype and device (and strides when the shape
-    is like's): products of such values round differently under any other summation order. Rows
-    beyond the first 1024 repeat them (the order under test runs along the last axis)."""
-    block = (min(shape[0], 1024), *shape[1:])
-    vals = torch.randn(block, generator=gen) * torch.exp2(torch.randint(-12, 13, block, generator=gen).float())
-    vals = vals.repeat(-(-shape[0] // block[0]), *[1] * (len(shape) - 1))[: shape[0]]
-    out = (torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
-           if tuple(like.shape) == tuple(shape) else torch.empty(shape, dtype=like.dtype, device=like.device))
-    return out.copy_(vals)
 
 
 def floored(apply, floor: int):
@@ -214,6 +177,7 @@ def install(model: torch.nn.Module) -> torch.nn.Module:
         return model
     route(model)
     _probe_linears(model)
+    rownorm.probe_norms(model)
     head = model.get_output_embeddings()  # [V, H], the model's dtype (kv.lm_head)
     model._specmesh_head_rows, model._specmesh_head_rows2 = _probe(
         head.weight, None, PROBE_HEAD_ROWS, _apply_of(head), PROBE_HEAD_TRIALS)
@@ -232,7 +196,7 @@ def head_chunking(model: torch.nn.Module, mode: int) -> tuple[int, int]:
 
 def probed(model: torch.nn.Module, mode: int = 1) -> dict[str, int]:
     """What install probed, as rows(mode) runs it: {linear shape 'out x in dtype': rows per call,
-    ..., 'lm_head dtype': rows} (for logs; ' (2-row floor)' appended where the floor is used)."""
+    ..., 'NormClass H dtype': rows, 'lm_head dtype': rows} (for logs; ' (2-row floor)' appended where the floor is used)."""
     out = {}
     for mod in model.model.modules():
         if isinstance(mod, torch.nn.Linear) and hasattr(mod, "_specmesh_rows"):
@@ -240,6 +204,9 @@ def probed(model: torch.nn.Module, mode: int = 1) -> dict[str, int]:
             step, floor = chunking(mod._specmesh_rows, mod._specmesh_rows2, mode)
             out[f"{w.shape[0]}x{w.shape[1]} {dtype_name(w.dtype)}{' (2-row floor)' if floor > 1 else ''}"] = (
                 mod._specmesh_rows if floor == 1 else step)
+    for mod in rownorm.norms(model):
+        if hasattr(mod, "_specmesh_rows"):
+            out[f"{type(mod).__name__} {mod.weight.shape[0]} {dtype_name(mod.weight.dtype)}"] = mod._specmesh_rows
     step, floor = head_chunking(model, mode)
     head = f"lm_head {dtype_name(model.get_output_embeddings().weight.dtype)}{' (2-row floor)' if floor > 1 else ''}"
     out[head] = int(getattr(model, "_specmesh_head_rows", 0)) if floor == 1 else step

@@ -1,5 +1,5 @@
 """Batch-invariant verification (specmesh/engine/rowexact.py) on the real default model in bf16,
-the services' default dtype: a verify forward over several positions, padded beside other
+the services' default dtype, and in float32: a verify forward over several positions, padded beside other
 sequences or shaped as a tree, gives each position the logits of the one-token steps the target
 alone would take — bit for bit (torch.equal), not to a tolerance. Without row_exact the same
 forward is a different GEMM and its logits move (the reason this mode exists); that is measured
@@ -25,10 +25,12 @@ def _tokens(seed: int, n: int) -> list[int]:
     return torch.randint(100, 40000, (n,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
-@pytest.fixture(scope="module")
-def model(target_model_bf16):
-    model = rowexact.install(target_model_bf16)  # transparent unless a step asks for row_exact
-    row_attn.enable_bf16(model)  # mode 2's attention on the row kernel, as the worker runs it
+@pytest.fixture(scope="module", params=["bfloat16", "float32"])
+def model(request, target_model_bf16, target_model):
+    """Each test in both dtypes: bf16 (the services' default) and float32, where any other
+    summation order shows in the logits (on an H200 a float32 chain beside a tree once differed)."""
+    model = rowexact.install(target_model_bf16 if request.param == "bfloat16" else target_model)
+    row_attn.enable_bf16(model)  # mode 2's attention on the row kernel, as the worker runs it (bf16 only)
     return model
 
 
@@ -45,7 +47,8 @@ def test_chain_verify_is_bitwise_the_one_token_steps(model, prefilled, one_token
     prompt, drafts = _tokens(0, 90), _tokens(1, 6)
     ref = one_token_steps(model, prompt, drafts, _ref_mode(mode))
     kv = prefilled(model, prompt)
-    if mode == 2:  # the attention rows take the row kernel wherever it builds (the worker's path)
+    if mode == 2 and next(model.parameters()).dtype == torch.bfloat16:  # bf16 attention rows take the row
+        # kernel wherever it builds (the worker's path; float32 rows take it with the packed linears)
         assert row_attn.usable(model, [kv], 2) == (on_cpu() and cpu_gemm.load() is not None)
     exact = batched_step(model, [kv], [drafts], row_exact=mode)[0].logits
     assert torch.equal(exact, ref)

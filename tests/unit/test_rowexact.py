@@ -200,7 +200,7 @@ def test_two_row_floor_where_one_row_products_run_a_kernel_of_their_own(monkeypa
     assert rowexact.cheap(model, 2) and not rowexact.cheap(model, 1) and rowexact.auto_mode(model) == 0
     assert rowexact.probed(model, 2) == {
         **{f"{n}x{m} float32 (2-row floor)": rowexact.PROBE_ROWS for n, m in ((32, 32), (16, 32), (64, 32), (32, 64))},
-        "lm_head float32 (2-row floor)": rowexact.PROBE_HEAD_ROWS}
+        "LlamaRMSNorm 32 float32": rowexact.PROBE_ROWS, "lm_head float32 (2-row floor)": rowexact.PROBE_HEAD_ROWS}
     prompt, drafts = [3, 9, 4, 17, 8], [5, 6, 7]
     calls = []
 
@@ -220,3 +220,29 @@ def test_two_row_floor_where_one_row_products_run_a_kernel_of_their_own(monkeypa
     assert torch.equal(batched_step(model, [prefilled(model, prompt)], [drafts], row_exact=1)[0].logits,
                        one_token_steps(model, prompt, drafts, row_exact=1))  # mode 1: one row per call
     assert not torch.equal(exact, one_token_steps(model, prompt, drafts))  # HF's one-row decode rounds apart
+
+
+def test_norms_run_in_chunks_of_their_probed_row_count(monkeypatch, prefilled, one_token_steps):
+    """A norm whose reduction sums a row in another order once it has company (as a GPU's
+    reduction kernel may split few rows differently from many): the probe finds 1 row, steps then
+    run it row by row and a verify stays bitwise the one-token steps; with the count forced to
+    its limit the same verify moves (so the chunking, not luck, keeps it exact)."""
+    from transformers.models.llama.modeling_llama import LlamaRMSNorm
+
+    real = LlamaRMSNorm.forward
+
+    def split_sum(self, x):  # one row: HF's; several: a drift, as another summation order rounds
+        out = real(self, x)
+        return out if x.reshape(-1, x.shape[-1]).shape[0] == 1 else out * (1 + 2**-10)
+
+    monkeypatch.setattr(LlamaRMSNorm, "forward", split_sum)
+    model = rowexact.install(_tiny())
+    norms = [m for m in model.model.modules() if isinstance(m, LlamaRMSNorm)]
+    assert norms and {m._specmesh_rows for m in norms} == {1}
+    assert rowexact.probed(model)["LlamaRMSNorm 32 float32"] == 1 and not rowexact.cheap(model)
+    prompt, drafts = [3, 9, 4, 17, 8], [5, 6, 7]
+    ref = one_token_steps(model, prompt, drafts)
+    assert torch.equal(batched_step(model, [prefilled(model, prompt)], [drafts], row_exact=True)[0].logits, ref)
+    for m in norms:
+        m._specmesh_rows = rowexact.PROBE_ROWS
+    assert not torch.equal(batched_step(model, [prefilled(model, prompt)], [drafts], row_exact=True)[0].logits, ref)

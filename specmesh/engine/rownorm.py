@@ -1,0 +1,69 @@
+"""Norms in deterministic steps (rowexact's `true` / `own`). A norm (RMSNorm, LayerNorm) is a
+per-row reduction: on a CPU its rows do not depend on how many a call holds, but a GPU's reduction
+kernel may split a row's sum differently for few rows than for many (an H200 in float32: bitwise
+its one-row calls only up to 7 rows; docs/bench/engine.md#11b). rowexact.install probes each norm
+here as it probes linears, and steps under rows(1 or 2) run it in chunks of its count."""
+
+from __future__ import annotations
+
+import types
+
+import torch
+
+from specmesh.engine.rowprobe import _ACTIVE, PROBE_ROWS, PROBE_TRIALS, _wide, invariant_rows
+
+
+def norms(model: torch.nn.Module) -> list[torch.nn.Module]:
+    """The decoder's per-row norms (HF's RMSNorm / LayerNorm modules, any model family)."""
+    return [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+
+
+def norm_count(mod: torch.nn.Module) -> int:
+    """The norm's invariant row count over PROBE_TRIALS wide-range draws, power of two. Each draw
+    also runs the module's own forward on the rows in float32 (HF's RMSNorm sums in float32
+    whatever its dtype): in bf16 the output's rounding hides a float32 sum's other order on
+    most rows, not on all (an H200: the bf16 module probed 64 rows, its float32 sum 7)."""
+    w, own = mod.weight, type(mod).forward
+    counts = []
+    with torch.no_grad():
+        for t in range(PROBE_TRIALS):
+            x = _wide((PROBE_ROWS + 1, w.shape[0]), w, torch.Generator().manual_seed(t))  # [65, H]
+            counts.append(invariant_rows(lambda r: own(mod, r), x))
+            if w.dtype != torch.float32:
+                try:
+                    counts.append(invariant_rows(lambda r: own(mod, r.float()), x))
+                except RuntimeError:  # a norm that takes only its own dtype (LayerNorm): that probe alone
+                    pass
+    found = min(counts)
+    return 1 << (found.bit_length() - 1) if found else 0
+
+
+def probe_norms(model: torch.nn.Module) -> None:
+    """Set ``_specmesh_rows`` on every decoder norm (one probe per class / shape / dtype / device)
+    and route it through norm_forward."""
+    seen: dict[tuple, int] = {}
+    for mod in norms(model):
+        w = mod.weight
+        key = (type(mod), tuple(w.shape), w.dtype, str(w.device))
+        if key not in seen:
+            seen[key] = norm_count(mod)
+        mod._specmesh_rows = seen[key]
+        if not getattr(mod, "_specmesh_routed", False):
+            mod.forward = types.MethodType(norm_forward, mod)
+            mod._specmesh_routed = True
+
+
+def norm_rows(model: torch.nn.Module) -> int:
+    """The fewest rows any probed norm of the model is invariant to (PROBE_ROWS where none is)."""
+    return min((m._specmesh_rows for m in norms(model) if hasattr(m, "_specmesh_rows")), default=PROBE_ROWS)
+
+
+def norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
+    """x: [..., H] -> [..., H]: the module's own forward; inside a deterministic step in chunks
+    of its probed invariant row count (one row per call where the probe found none)."""
+    own = type(self).forward
+    step = max(1, getattr(self, "_specmesh_rows", 0))
+    x2 = x.reshape(-1, x.shape[-1])  # [M, H]
+    if not _ACTIVE.get() or x2.shape[0] <= step:
+        return own(self, x)
+    return torch.cat([own(self, x2[i : i + step]) for i in range(0, x2.shape[0], step)]).view(x.shape)
