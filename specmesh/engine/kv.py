@@ -208,9 +208,10 @@ def _lean_ok(model, plan: _Plan, rows: int, row_exact: bool) -> bool:
     rows where deterministic, else up to cpu_gemm.MAX_ROWS; its norms take every row at once, so
     a deterministic step only where they were probed invariant to that many or to the probe's
     limit: a CPU's per-row reduction, which lean runs only on)."""
-    exact_ok = rowexact.norm_rows(model) >= min(rows, rowexact.PROBE_ROWS)
-    return (plan.rows is not None and all(s.kernel for s in plan.seqs)
-            and (exact_ok if row_exact else rows <= cpu_gemm.MAX_ROWS) and lean.prepare(model))
+    if plan.rows is None or not all(s.kernel for s in plan.seqs):
+        return False
+    fits = rowexact.norm_rows(model) >= min(rows, rowexact.PROBE_ROWS) if row_exact else rows <= cpu_gemm.MAX_ROWS
+    return fits and lean.prepare(model)
 
 
 @torch.inference_mode()

@@ -40,7 +40,9 @@ def norm_count(mod: torch.nn.Module) -> int:
 
 def probe_norms(model: torch.nn.Module) -> None:
     """Set ``_specmesh_rows`` on every decoder norm (one probe per class / shape / dtype / device)
-    and route it through norm_forward."""
+    and the model's fewest (norm_rows); route through norm_forward the norms probed short of
+    PROBE_ROWS. A norm invariant to the probe's limit runs whole, in every step, with no wrapper
+    (every norm on the CPUs measured: a per-row reduction on one thread)."""
     seen: dict[tuple, int] = {}
     for mod in norms(model):
         w = mod.weight
@@ -48,22 +50,27 @@ def probe_norms(model: torch.nn.Module) -> None:
         if key not in seen:
             seen[key] = norm_count(mod)
         mod._specmesh_rows = seen[key]
-        if not getattr(mod, "_specmesh_routed", False):
+        if mod._specmesh_rows < PROBE_ROWS and not getattr(mod, "_specmesh_routed", False):
             mod.forward = types.MethodType(norm_forward, mod)
             mod._specmesh_routed = True
+    model._specmesh_norm_rows = min(seen.values(), default=PROBE_ROWS)
 
 
 def norm_rows(model: torch.nn.Module) -> int:
-    """The fewest rows any probed norm of the model is invariant to (PROBE_ROWS where none is)."""
-    return min((m._specmesh_rows for m in norms(model) if hasattr(m, "_specmesh_rows")), default=PROBE_ROWS)
+    """The fewest rows any probed norm of the model is invariant to (PROBE_ROWS where none is
+    probed): read per step (kv._lean_ok), so kept on the model by probe_norms."""
+    return getattr(model, "_specmesh_norm_rows", PROBE_ROWS)
 
 
 def norm_forward(self: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """x: [..., H] -> [..., H]: the module's own forward; inside a deterministic step in chunks
-    of its probed invariant row count (one row per call where the probe found none)."""
+    of its probed invariant row count (one row per call where the probe found none; whole at
+    PROBE_ROWS)."""
     own = type(self).forward
+    if not _ACTIVE.get():
+        return own(self, x)
     step = max(1, getattr(self, "_specmesh_rows", 0))
     x2 = x.reshape(-1, x.shape[-1])  # [M, H]
-    if not _ACTIVE.get() or x2.shape[0] <= step:
+    if step >= PROBE_ROWS or x2.shape[0] <= step:
         return own(self, x)
     return torch.cat([own(self, x2[i : i + step]) for i in range(0, x2.shape[0], step)]).view(x.shape)
