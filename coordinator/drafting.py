@@ -46,6 +46,7 @@ class Drafting:
                           coming=coming)
         if k and self.method not in self.local and not self._tier_up():
             k = 0  # no draft worker to ask now: a round of the target alone (a burst), no Propose to fail
+            self.stats.tier_down_rounds += 1
         drafted = self.rounds.nodes if k and self.req.tree_budget > 0 else k  # a tree's k: its nodes
         self.stats.chosen_k[drafted] = self.stats.chosen_k.get(drafted, 0) + 1
         self._chose_zero = k == 0

@@ -56,6 +56,8 @@ class RequestTelemetry:
         metrics.COMPLETION_TOKENS.labels(arm).inc(completion)
         if stats.draft_failures:
             metrics.DRAFT_FAILURES.labels(arm).inc(stats.draft_failures)
+        if stats.tier_down_rounds:
+            metrics.TIER_DOWN_ROUNDS.labels(arm).inc(stats.tier_down_rounds)
         enabled = None if self.control is None else self.control.state.enabled
         metrics.observe_chosen_k(gen.method, stats.chosen_k, arm)
         tracing.set_attributes({

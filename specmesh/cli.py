@@ -87,6 +87,7 @@ def response_json(resp) -> dict:
             "mean_acceptance_length": spec.mean_acceptance_length,
             "accepted_per_position": list(spec.accepted_per_position),
             "draft_failures": spec.draft_failures,
+            "tier_down_rounds": spec.tier_down_rounds,
             "feature_bytes": spec.feature_bytes,
             "draft_feature_bytes": spec.draft_feature_bytes,
             "arm": spec.arm,

@@ -34,6 +34,7 @@ def spec_json(spec) -> dict:
         "mean_acceptance_length": round(spec.mean_acceptance_length, 4),
         "accepted_per_position": list(spec.accepted_per_position),
         "draft_failures": spec.draft_failures,
+        "tier_down_rounds": spec.tier_down_rounds,
     }
 
 

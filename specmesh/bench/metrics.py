@@ -225,6 +225,7 @@ def aggregate(records: list[RequestRecord], wall_s: float) -> dict:
         "time_fraction": time_fractions(ok),
         "predraft": predrafts(ok),
         "draft_failures": sum(int(r.spec.get("draft_failures", 0)) for r in ok if r.spec),
+        "tier_down_rounds": sum(int(r.spec.get("tier_down_rounds", 0)) for r in ok if r.spec),
     }
 
 

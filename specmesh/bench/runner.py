@@ -61,6 +61,7 @@ def spec_to_dict(spec: pb.SpecStats) -> dict:
         "accepted_per_position": list(spec.accepted_per_position),
         "drafted_per_position": list(spec.drafted_per_position),
         "draft_failures": spec.draft_failures,
+        "tier_down_rounds": spec.tier_down_rounds,
         "draft_time_s": spec.draft_time_s,
         "verify_time_s": spec.verify_time_s,
         "chosen_k": {int(k): int(v) for k, v in spec.chosen_k.items()},

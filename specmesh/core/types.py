@@ -116,6 +116,7 @@ class SpecStats:
     accepted_per_position: list[int] = field(default_factory=list)  # [i] = rounds accepting draft i
     drafted_per_position: list[int] = field(default_factory=list)  # [i] = rounds drafting position i
     draft_failures: int = 0  # rounds that fell back to k=0 because the draft tier failed
+    tier_down_rounds: int = 0  # rounds run with k=0 unasked: no draft worker could be asked (all down)
     draft_time_s: float = 0.0
     verify_time_s: float = 0.0
     feature_bytes: int = 0  # target features received from the target tier (block drafter)

@@ -185,6 +185,7 @@ def stats_to_pb(stats: SpecStats, method: str) -> pb.SpecStats:
         accepted_per_position=stats.accepted_per_position,
         drafted_per_position=stats.drafted_per_position,
         draft_failures=stats.draft_failures,
+        tier_down_rounds=stats.tier_down_rounds,
         method=method,
         draft_time_s=stats.draft_time_s,
         verify_time_s=stats.verify_time_s,

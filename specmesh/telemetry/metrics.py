@@ -49,6 +49,8 @@ ACCEPTANCE_LENGTH = Histogram("specmesh_acceptance_length", "tokens emitted per 
                               ["method", "arm"], buckets=_ACCEPT)
 DRAFT_FAILURES = Counter("specmesh_draft_failures", "rounds run with the target alone because drafting failed",
                          ["arm"])
+TIER_DOWN_ROUNDS = Counter("specmesh_draft_tier_down_rounds", "rounds run with the target alone, unasked, while no "
+                           "draft worker could be asked (all down after a failure)", ["arm"])
 DRAFT_LATENCY = Histogram("specmesh_draft_latency_seconds", "one Propose call, as the coordinator sees it",
                           ["method", "arm"], buckets=_LATENCY)
 VERIFY_LATENCY = Histogram("specmesh_verify_latency_seconds", "one Verify call, as the coordinator sees it",

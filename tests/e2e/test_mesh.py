@@ -273,8 +273,11 @@ def test_generate_cli_invalid_argument_stream_json(up_mesh, e2e):
 
 
 def test_generate_cli_deadline(up_mesh, e2e):
-    res = e2e.run_cli("generate", "--target", up_mesh.gateway, "--prompt", "hi", "--max-tokens", "64",
-                  "--method", "off", "--timeout", "0.3")
+    """A 0.3 s deadline on a request that cannot finish in it: a ~1,500-token prompt's prefill
+    alone takes longer on any CPU here ("hi" and 64 tokens did not: a fast CPU answered it in
+    time, since the reply can end at its EOS within ten tokens)."""
+    res = e2e.run_cli("generate", "--target", up_mesh.gateway, "--prompt", "hi " * 1500, "--max-tokens", "64",
+                      "--method", "off", "--timeout", "0.3")
     assert res.returncode != 0
     assert first_stderr_word(res) == "DEADLINE_EXCEEDED", res.stderr
 

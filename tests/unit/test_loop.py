@@ -492,7 +492,7 @@ def test_rounds_while_the_draft_tier_has_no_worker_run_as_the_target_alone_in_bu
     target, drafts = BurstTarget(), TierDown()
     gen = run(drafts, target)
     assert gen.out.token_ids == SCRIPT[:9] and target.steps == [4, 4] and drafts.calls == []
-    assert gen.stats.draft_failures == 0 and gen.stats.chosen_k == {0: 2}
+    assert gen.stats.draft_failures == 0 and gen.stats.chosen_k == {0: 2} and gen.stats.tier_down_rounds == 2
     up["now"] = True
     target, drafts = BurstTarget(), TierDown()
     gen = run(drafts, target)
