@@ -14,8 +14,11 @@ from specmesh.engine.rowprobe import _ACTIVE, PROBE_ROWS, PROBE_TRIALS, _wide, i
 
 
 def norms(model: torch.nn.Module) -> list[torch.nn.Module]:
-    """The decoder's per-row norms (HF's RMSNorm / LayerNorm modules, any model family)."""
-    return [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))]
+    """The decoder's per-row norms with a weight (HF's RMSNorm / LayerNorm modules, any model
+    family; the probe takes its dtype, device and width from the weight. A norm without one, a
+    LayerNorm with elementwise_affine=False, is not probed and runs whole)."""
+    return [m for m in model.model.modules() if type(m).__name__.endswith(("RMSNorm", "LayerNorm"))
+            and isinstance(getattr(m, "weight", None), torch.Tensor)]
 
 
 def norm_count(mod: torch.nn.Module) -> int:

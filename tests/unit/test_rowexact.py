@@ -246,3 +246,15 @@ def test_norms_run_in_chunks_of_their_probed_row_count(monkeypatch, prefilled, o
     for m in norms:
         m._specmesh_rows = rowexact.PROBE_ROWS
     assert not torch.equal(batched_step(model, [prefilled(model, prompt)], [drafts], row_exact=True)[0].logits, ref)
+
+
+def test_a_norm_without_a_weight_is_left_whole():
+    """A LayerNorm without affine parameters gives the probe no dtype or width to draw from: it is
+    not probed, not wrapped, and install still probes the rest."""
+    import torch.nn as nn
+
+    model = _tiny()
+    model.model.norm = nn.LayerNorm(32, elementwise_affine=False)
+    rowexact.install(model)
+    assert not hasattr(model.model.norm, "_specmesh_rows") and "forward" not in vars(model.model.norm)
+    assert any(k.startswith("LlamaRMSNorm") for k in rowexact.probed(model))
