@@ -16,7 +16,7 @@ import torch
 from specmesh.core.tree import tree_layout
 from specmesh.engine import cpu_gemm, row_attn, rowexact
 from specmesh.engine.kv import batched_step
-from tests.conftest import on_cpu
+from tests.conftest import MODEL_TEST_DEVICE, on_cpu
 
 pytestmark = pytest.mark.model
 
@@ -26,10 +26,14 @@ def _tokens(seed: int, n: int) -> list[int]:
 
 
 @pytest.fixture(scope="module", params=["bfloat16", "float32"])
-def model(request, target_model_bf16, target_model):
+def model(request, model_dir):
     """Each test in both dtypes: bf16 (the services' default) and float32, where any other
-    summation order shows in the logits (on an H200 a float32 chain beside a tree once differed)."""
-    model = rowexact.install(target_model_bf16 if request.param == "bfloat16" else target_model)
+    summation order shows in the logits (on an H200 a float32 batch under `true` once differed).
+    A model of its own: install probes and routes it, which the shared session models must not
+    see (test_kernel_exact's probe of the packed kernel would read these F.linear counts)."""
+    from specmesh.engine.loader import load_model
+
+    model = rowexact.install(load_model(model_dir, request.param, MODEL_TEST_DEVICE))
     row_attn.enable_bf16(model)  # mode 2's attention on the row kernel, as the worker runs it (bf16 only)
     return model
 
