@@ -70,7 +70,7 @@ def _equal(device, dtype, heads: int, kv_heads: int, d: int, scale) -> bool:
     keys are N(0, 1) x a per-draw spread (scores of a few units: a softmax that weighs many slots;
     wide-range keys would saturate it to one slot and hide any other order); values wide-range
     (rowexact's _wide), so another order of the weighted sum rounds differently."""
-    from specmesh.engine.rowexact import _wide
+    from specmesh.engine.rowprobe import _wide
 
     gen = torch.Generator().manual_seed(0)
     like = torch.empty(0, dtype=dtype, device=device)

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, lean, quant, row_attn, rowexact
+from specmesh.engine import cpu_gemm, lean, quant, row_attn, rowexact, rownorm
 from specmesh.engine.attention import sdpa
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
@@ -210,7 +210,7 @@ def _lean_ok(model, plan: _Plan, rows: int, row_exact: bool) -> bool:
     limit: a CPU's per-row reduction, which lean runs only on)."""
     if plan.rows is None or not all(s.kernel for s in plan.seqs):
         return False
-    fits = rowexact.norm_rows(model) >= min(rows, rowexact.PROBE_ROWS) if row_exact else rows <= cpu_gemm.MAX_ROWS
+    fits = rownorm.norm_rows(model) >= min(rows, rowexact.PROBE_ROWS) if row_exact else rows <= cpu_gemm.MAX_ROWS
     return fits and lean.prepare(model)
 
 

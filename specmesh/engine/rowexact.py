@@ -54,9 +54,9 @@ import torch.nn.functional as F
 
 from specmesh.engine import cpu_gemm, quant, rownorm
 from specmesh.engine.loader import dtype_name
-from specmesh.engine.rownorm import norm_rows  # noqa: F401 (kv._lean_ok asks it here)
 from specmesh.engine.rowprobe import (  # noqa: F401 (callers and tests read them here)
-    _ACTIVE, KERNEL_PROBE_OUT, PROBE_HEAD_ROWS, PROBE_HEAD_TRIALS, PROBE_ROWS, PROBE_TRIALS, _wide, invariant_rows, rows)
+    _ACTIVE, KERNEL_PROBE_OUT, PROBE_HEAD_ROWS, PROBE_HEAD_TRIALS, PROBE_ROWS, PROBE_TRIALS, _wide, invariant_rows,
+    pow2_floor, rows)
 
 CHEAP_ROWS = 8  # batch_invariant auto: deterministic when every probed count reaches this
 
@@ -100,7 +100,7 @@ def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
             found = min(found, invariant_rows(lambda r: apply_f(r, w, b), x))
             if found == 0:
                 break
-    return 1 << (found.bit_length() - 1) if found else 0
+    return pow2_floor(found)
 
 
 def _apply_of(mod: torch.nn.Linear):

@@ -10,7 +10,7 @@ import types
 
 import torch
 
-from specmesh.engine.rowprobe import _ACTIVE, PROBE_ROWS, PROBE_TRIALS, _wide, invariant_rows
+from specmesh.engine.rowprobe import _ACTIVE, PROBE_ROWS, PROBE_TRIALS, _wide, invariant_rows, pow2_floor
 
 
 def norms(model: torch.nn.Module) -> list[torch.nn.Module]:
@@ -37,8 +37,7 @@ def norm_count(mod: torch.nn.Module) -> int:
                     counts.append(invariant_rows(lambda r: own(mod, r.float()), x))
                 except RuntimeError:  # a norm that takes only its own dtype (LayerNorm): that probe alone
                     pass
-    found = min(counts)
-    return 1 << (found.bit_length() - 1) if found else 0
+    return pow2_floor(min(counts))
 
 
 def probe_norms(model: torch.nn.Module) -> None:

@@ -40,6 +40,11 @@ def invariant_rows(fn, rows: torch.Tensor) -> int:
     return rows.shape[0] - 1
 
 
+def pow2_floor(n: int) -> int:
+    """n rounded down to a power of two (0 stays 0): a probed row count as steps use it."""
+    return 1 << (n.bit_length() - 1) if n > 0 else 0
+
+
 def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     """N(0,1) x 2^e, e uniform in -12..12, in like's dtype and device (and strides when the shape
     is like's): products of such values round differently under any other summation order. Rows
