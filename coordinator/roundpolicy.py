@@ -53,8 +53,8 @@ class RoundPolicy:
         if self._probing > 0:
             self._probing -= 1
             return k
-        got = pace.gate(drafter, k)
-        if got and pace.loses(drafter):
+        got, losing_probe = pace.decide(drafter, k)
+        if losing_probe:
             self._probing = PROBE_ROUNDS - 1
         if not got:
             self.nodes = 0

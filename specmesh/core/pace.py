@@ -76,17 +76,21 @@ class PaceBook:
     def gate(self, method: str, k: int) -> int:
         """This round's k once goodput chose k (> 0: drafting): 0 where drafting loses (but every
         `every`-th round drafts), or to measure the target alone (module docstring)."""
+        return self.decide(method, k)[0]
+
+    def decide(self, method: str, k: int) -> tuple[int, bool]:
+        """(gate's k, whether that k > 0 is the probe of a drafter that loses), under one lock."""
         if k <= 0:
-            return k
+            return k, False
         with self._lock:
             tick = self._ticks.get(method, 0) + 1
             self._ticks[method] = tick
             probe = tick % self.every == 0
             if self._loses(method):
-                return k if probe else 0
+                return (k, True) if probe else (0, False)
             alone = self._arms.get((method, False))
             unknown = alone is None or alone.rounds < self.min_rounds or tick - alone.last > self.stale
-            return 0 if probe and unknown else k
+            return (0 if probe and unknown else k), False
 
     def snapshot(self) -> dict:
         """{drafter: {'draft' | 'alone': (ms per token, rounds)}} for reports."""
