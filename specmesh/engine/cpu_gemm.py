@@ -31,9 +31,11 @@ from pathlib import Path
 
 import torch
 
+from specmesh.engine import onednn
+
 log = logging.getLogger(__name__)
 
-SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_gemm.cpp", "row_attention.cpp")]
+SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_gemm.cpp", "row_attention.cpp", "sdpa_rows.cpp")]
 MAX_ROWS = 64  # default mode: more rows than this (a long prefill) go to the BLAS
 _EXT = None
 _TRIED = False
@@ -132,7 +134,9 @@ def packed(mod: torch.nn.Module, x: torch.Tensor, exact: bool) -> torch.Tensor |
 
 def install(model: torch.nn.Module) -> bool:
     """Pack every decoder nn.Linear and the LM head of a float32 CPU model (kept beside the
-    original weights, which HF's own forward still uses). True when the kernel is in use."""
+    original weights, which HF's own forward still uses). True when the kernel is in use. A bf16
+    CPU model gets oneDNN's prepacked linears instead where they are bitwise F.linear's and faster
+    (onednn.py; not this kernel: still False)."""
     if getattr(model, "_specmesh_cpu_gemm", None) is not None:
         return model._specmesh_cpu_gemm
     head = model.get_output_embeddings()
@@ -141,6 +145,8 @@ def install(model: torch.nn.Module) -> bool:
         for mod in [*model.model.modules(), head]:
             if isinstance(mod, torch.nn.Linear):
                 pack_linear(mod)
+    elif head.weight.dtype == torch.bfloat16 and head.weight.device.type == "cpu":
+        onednn.install(model)
     model._specmesh_cpu_gemm = use
     return use
 

@@ -38,25 +38,27 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, lean, quant, row_attn, rowexact, rownorm
-from specmesh.engine.attention import sdpa
+from specmesh.engine import cpu_gemm, lean, onednn, quant, row_attn, rowexact, rownorm
+from specmesh.engine.attention import fold_ok, sdpa
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
 ATTN_NAME = "specmesh_pool"
+_NO_PATH = torch.empty(0, dtype=torch.long)
 
 
 @dataclass
 class _Seq:
     """One sequence of a step. mask: [n, L + n] bool on the device (None: all visible);
-    paths: row_exact tree rows, each row's ancestor path as new-token indices, root first (None
-    for chains)."""
+    paths: row_exact tree rows, each row's ancestor path as new-token indices, root first, all
+    rows' paths in one [E] long tensor on the device and row j's at [off[j], off[j + 1]) (off:
+    [n + 1] long on the host); None for chains."""
 
     kv: SequenceKV
     offset: int
     n: int
     causal: bool = False
     mask: torch.Tensor | None = None
-    paths: list[torch.Tensor] | None = None
+    paths: tuple[torch.Tensor, torch.Tensor] | None = None
     kernel: bool = False  # its rows attend in the row-attention kernel (row_attn)
 
 
@@ -81,9 +83,18 @@ class StepOutput:
 def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
     """Deterministic rows: each query row alone, unmasked, over exactly the slots it sees laid out
     as a one-token step sees them: the cache, then its own path. q: [1, heads, n, D]; k, v: the
-    sequence's pool views [1, kv_heads, L + n, D]; out: [n, heads, D]. A chain row j sees slots
-    [0, L + j + 1) in place. A tree row sees the cache and its ancestors: its path's few slots are
-    copied right after the cache for its call, and the tree's slots are put back afterwards."""
+    sequence's pool views [1, kv_heads, L + n, D]; paths: _Seq.paths; out: [n, heads, D]. A chain
+    row j sees slots [0, L + j + 1) in place. A tree row sees the cache and its ancestors: its
+    path's few slots are copied right after the cache for its call, and the tree's slots are put
+    back afterwards. On the CPU the extension makes the same SDPA calls without the Python
+    around each (csrc/sdpa_rows.cpp: bitwise this loop)."""
+    ext = cpu_gemm.load() if q.device.type == "cpu" else None
+    flat, off = paths if paths is not None else (_NO_PATH, _NO_PATH)
+    if ext is not None:
+        heads, kv_heads = q.shape[1], k.shape[1]
+        fold = heads != kv_heads and fold_ok(q.device, q.dtype, heads, kv_heads, q.shape[3], scale)
+        ext.sdpa_rows(q, k, v, length, flat, off, scale, fold, out)
+        return
     n = q.shape[2]
     if paths is None:
         for j in range(n):
@@ -91,7 +102,9 @@ def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
                            scale)[0, :, 0]
         return
     tree_k, tree_v = k[:, :, length:].clone(), v[:, :, length:].clone()  # [1, kv_heads, n, D]
-    for j, path in enumerate(paths):
+    bounds = off.tolist()
+    for j in range(n):
+        path = flat[bounds[j] : bounds[j + 1]]
         d = len(path)
         k[:, :, length : length + d] = tree_k.index_select(2, path)
         v[:, :, length : length + d] = tree_v.index_select(2, path)
@@ -171,7 +184,10 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool) -> tupl
             pass
         elif row_exact and n > 1:
             if tree is not None:  # topological order: a row's ancestors in index order are root first
-                s.paths = [tree[j].nonzero().flatten().to(kv.device) for j in range(n)]
+                ancestors = tree.nonzero()  # [E, 2] (row, ancestor), row-major: each row's path in order
+                off = torch.zeros(n + 1, dtype=torch.long)
+                off[1:] = tree.sum(1).cumsum(0)
+                s.paths = (ancestors[:, 1].contiguous().to(kv.device), off)
         elif length == 0 and tree is None and n > 1:
             s.causal = True
         elif n > 1:
@@ -194,9 +210,10 @@ def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool | int)
         return out.float()
     w = head.weight  # [V, H]
     if not row_exact:
-        return F.linear(hidden, w).float()
+        out = onednn.packed(head, hidden)  # oneDNN's prepacked head where installed (onednn.py)
+        return (F.linear(hidden, w) if out is None else out).float()
     step, floor = rowexact.head_chunking(model, int(row_exact))
-    lin = rowexact.floored(F.linear, floor)
+    lin = rowexact.floored(onednn.apply_of(head) or F.linear, floor)
     if hidden.shape[0] <= step:
         return lin(hidden, w).float()
     return torch.cat([lin(hidden[i : i + step], w) for i in range(0, hidden.shape[0], step)]).float()
@@ -249,7 +266,7 @@ def batched_step(
     pos = torch.tensor(positions, dtype=torch.long).to(device)[None]  # [1, T]
     token = _PLAN.set(plan)
     try:
-        with rowexact.rows(row_exact), cpu_gemm.active():
+        with rowexact.rows(row_exact), cpu_gemm.active(), onednn.step(any(kv.length == 0 for kv in kvs)):
             if _lean_ok(model, plan, ids.shape[1], row_exact):
                 states = dict.fromkeys(hidden_layers)  # index -> [T, H], filled by the forward
                 final = lean.forward(model, ids[0], pos[0], plan.rows, states)  # [T, H]

@@ -52,11 +52,11 @@ import types
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, quant, rownorm
+from specmesh.engine import cpu_gemm, onednn, quant, rownorm
 from specmesh.engine.loader import dtype_name
 from specmesh.engine.rowprobe import (  # noqa: F401 (callers and tests read them here)
-    _ACTIVE, KERNEL_PROBE_OUT, PROBE_HEAD_ROWS, PROBE_HEAD_TRIALS, PROBE_ROWS, PROBE_TRIALS, _wide, invariant_rows,
-    pow2_floor, rows)
+    _ACTIVE, KERNEL_PROBE_OUT, PROBE_HEAD_ROWS, PROBE_HEAD_TRIALS, PROBE_PACKED_ROWS, PROBE_ROWS, PROBE_TRIALS, _wide,
+    invariant_rows, pow2_floor, rows)
 
 CHEAP_ROWS = 8  # batch_invariant auto: deterministic when every probed count reaches this
 
@@ -89,7 +89,7 @@ def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
     found = max_rows
     apply_f = floored(apply, floor)
     shape = tuple(weight.shape)
-    if apply is not F.linear:  # the packed kernel: per output column one FMA chain over `in`, whatever
+    if apply is not F.linear and not getattr(apply, "full_shape", False):  # the packed kernel: per output column one FMA chain over `in`, whatever
         shape = (min(shape[0], KERNEL_PROBE_OUT), shape[1])  # `out`: a few panels probe it as well as all
     with torch.no_grad():
         for t in range(trials):
@@ -104,8 +104,11 @@ def probe_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int,
 
 
 def _apply_of(mod: torch.nn.Linear):
-    """What a step runs for this linear: the packed CPU kernel where installed, else F.linear."""
-    return cpu_gemm.kernel_apply() if getattr(mod, "_specmesh_packed", None) is not None else F.linear
+    """What a step runs for this linear: the packed CPU kernel where installed, oneDNN's
+    prepacked call where onednn.install prepacked it, else F.linear."""
+    if getattr(mod, "_specmesh_packed", None) is not None:
+        return cpu_gemm.kernel_apply()
+    return onednn.probe_apply() if onednn.apply_of(mod) is not None else F.linear
 
 
 def _probe(weight, bias, max_rows: int, apply, trials: int) -> tuple[int, int]:
@@ -134,9 +137,11 @@ def _probe_linears(model: torch.nn.Module) -> None:
         if isinstance(mod, torch.nn.Linear):
             w = mod.weight
             kernel = getattr(mod, "_specmesh_packed", None) is not None
-            key = (tuple(w.shape), w.dtype, str(w.device), mod.bias is not None, w.stride(), kernel)
+            prepacked = onednn.apply_of(mod) is not None  # probed further: 256 rows on an AMX Xeon
+            key = (tuple(w.shape), w.dtype, str(w.device), mod.bias is not None, w.stride(), kernel, prepacked)
             if key not in seen:
-                seen[key] = _probe(w, mod.bias, PROBE_ROWS, _apply_of(mod), PROBE_TRIALS)
+                seen[key] = _probe(w, mod.bias, PROBE_PACKED_ROWS if prepacked else PROBE_ROWS, _apply_of(mod),
+                                   PROBE_TRIALS)
             mod._specmesh_rows, mod._specmesh_rows2 = seen[key]
 
 
@@ -158,11 +163,14 @@ def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
         out = cpu_gemm.packed(self, x, exact=_ACTIVE.get())
     if out is not None:
         return out
-    if not _ACTIVE.get() or x.dim() < 2:
+    if x.dim() < 2:
         return F.linear(x, self.weight, self.bias)
     x2 = x.reshape(-1, x.shape[-1])  # [M, in] (a packed batch is contiguous: a view)
+    if not _ACTIVE.get():
+        out = onednn.packed(self, x2) if cpu_gemm.in_step() else None  # [M, out]: prepacked where installed
+        return F.linear(x, self.weight, self.bias) if out is None else out.view(*x.shape[:-1], -1)
     step, floor = chunking(getattr(self, "_specmesh_rows", 0), getattr(self, "_specmesh_rows2", 0), _ACTIVE.get())
-    lin = floored(F.linear, floor)
+    lin = floored(onednn.apply_of(self) or F.linear, floor)
     if x2.shape[0] <= step:
         return lin(x2, self.weight, self.bias).view(*x.shape[:-1], -1)
     # each chunk a 2-D [m, in] matrix: one mm, as the one-token step's folded [1, 1, in] input

@@ -13,6 +13,7 @@ import torch
 _ACTIVE: contextvars.ContextVar[int] = contextvars.ContextVar("specmesh_row_exact", default=0)  # 0 / 1 / 2 (floor)
 
 PROBE_ROWS = 64  # largest batched row count probed for the decoder's linears
+PROBE_PACKED_ROWS = 128  # ... for a linear a step runs from oneDNN's prepacked weight (onednn.py): 16 x 5 rows fit
 PROBE_HEAD_ROWS = 32  # ... and for the LM head (a bigger GEMM: V x H)
 PROBE_TRIALS = 12  # random draws per linear shape; the smallest count found wins
 PROBE_HEAD_TRIALS = 6  # ... for the LM head (each draw costs ~0.5 s there)

@@ -223,9 +223,13 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
 // row_attention.cpp
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor start,
                             torch::Tensor len, torch::Tensor off, torch::Tensor extra, double scale);
+// sdpa_rows.cpp
+void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
+               torch::Tensor off, c10::optional<double> scale, bool fold, torch::Tensor out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T + bias from packed panels, float32, row-invariant (AVX2/FMA)");
   m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32 or bf16");
+  m.def("sdpa_rows", &sdpa_rows, "a sequence's rows one torch SDPA call each, as one-token steps (deterministic mode)");
 }

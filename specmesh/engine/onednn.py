@@ -1,0 +1,199 @@
+"""bf16 CPU linears from weights prepacked once for oneDNN, inside engine steps, where a start-up
+probe proves them bitwise torch's own F.linear.
+
+Why: torch runs a bf16 CPU F.linear through oneDNN's matmul, which reorders the weight into its
+blocked layout on every call. A step of a small model is a few hundred such calls on few rows, so
+the reorder is much of the step. Measured on a 2-core Intel Xeon with AMX, one thread, torch 2.13:
+one row through SmolLM2-135M's 576x1536 linear 115 us with F.linear, 60 us from a weight
+reordered once (`torch.ops.mkldnn._reorder_linear_weight`, then `_linear_pointwise`, the ops
+torch's own compiler uses for frozen CPU linears); 80 rows 234 vs 150 us.
+
+Bitwise: the prepacked call runs the same kernel on the same data. `install` checks it per
+distinct weight shape on wide-range random data (rowprobe._wide: any other summation order shows
+through the output's rounding), several draws, and keeps two counts:
+
+    equal_rows   the largest M such that the prepacked call over M' rows equals F.linear's over
+                 the same M' rows, for every M' <= M (there: 32 rows; F.linear itself changes
+                 kernel past 32)
+    gain         F.linear's one-row time / the prepacked one's (the best of a few calls each)
+
+A linear is prepacked only where equal_rows >= 1 (so a one-token step is HF's arithmetic, bit for
+bit, and the mesh's AR stays HF `generate`'s) and gain >= 1. Inside a step (cpu_gemm.in_step) it
+then runs every call of up to equal_rows rows (bitwise F.linear's), and any larger call of a step
+that holds no prompt's prefill (decode and verify rows, which are not HF's arithmetic past
+equal_rows whichever kernel runs them); a step with a prefill keeps F.linear past equal_rows, so a
+prompt's KV is HF's. Deterministic steps (rowexact.rows) run it in chunks of its own probed
+row-invariant count: rowexact probes what a step runs (there: 128 rows, its limit, for every decoder shape,
+32 (the probe's limit) for the LM head, against F.linear's 32), so a deterministic verify no
+longer re-reads each weight once per 32 rows.
+
+Memory: the prepacked copies sit beside the original weights, which HF's own forward on the same
+model object still uses: +1x the decoder and head weights. cpu_gemm.install calls install for a
+bf16 model, so it runs wherever the CPU kernels are allowed (`target_worker.cpu_kernel`,
+`draft_worker.draft_model.cpu_kernel`); off the CPU, in float32 (the packed kernel's) or with
+`cpu_kernel: false`, nothing is prepacked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import logging
+import time
+
+import torch
+import torch.nn.functional as F
+
+from specmesh.engine.rowprobe import _wide
+
+log = logging.getLogger(__name__)
+
+EQUAL_PROBE_ROWS = 40  # rows up to which a prepacked call is compared with F.linear's (past 32 F.linear
+# changes kernel on an AMX Xeon; a prefill step keeps F.linear past the count found)
+EQUAL_TRIALS = 4  # random draws per shape
+EQUAL_HEAD_TRIALS = 2  # ... for the LM head (a V x H product: each draw costs ~0.5 s)
+TIME_REPEATS = 5
+_PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_onednn_prefill", default=False)
+
+
+def available() -> bool:
+    """torch has oneDNN's prepacked linear ops."""
+    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+
+
+def pack(w: torch.Tensor) -> torch.Tensor:
+    """w [out, in] bf16 -> oneDNN's blocked copy (a one-row batch hint: decode and verify rows)."""
+    return torch.ops.mkldnn._reorder_linear_weight(w.detach(), 1)
+
+
+def run(x: torch.Tensor, wp: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """x [M, in] -> [M, out] from a prepacked weight."""
+    return torch.ops.mkldnn._linear_pointwise(x, wp, bias, "none", [], "")
+
+
+def equal_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = EQUAL_PROBE_ROWS,
+               trials: int = EQUAL_TRIALS) -> int:
+    """The largest M <= max_rows such that the prepacked call over M' rows (from an aligned and an
+    offset start) is bitwise F.linear's over them for every M' <= M, over `trials` draws."""
+    found = max_rows
+    with torch.no_grad():
+        for t in range(trials):
+            gen = torch.Generator().manual_seed(1000 + t)
+            w = _wide(tuple(weight.shape), weight, gen)
+            b = _wide(tuple(bias.shape), bias, gen) if bias is not None else None
+            x = _wide((max_rows + 1, weight.shape[1]), weight, gen)
+            wp = pack(w)
+            for m in range(1, found + 1):
+                if not all(torch.equal(run(x[s : s + m], wp, b), F.linear(x[s : s + m], w, b)) for s in (0, 1)):
+                    found = m - 1
+                    break
+            if found == 0:
+                break
+    return found
+
+
+def _best_s(fn) -> float:
+    fn()
+    best = float("inf")
+    for _ in range(TIME_REPEATS):
+        t0 = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - t0)
+    return best
+
+
+def gain(weight: torch.Tensor, bias: torch.Tensor | None) -> float:
+    """F.linear's one-row time / the prepacked call's, on the real weight."""
+    with torch.no_grad():
+        x = torch.randn(1, weight.shape[1]).to(weight.dtype)
+        wp = pack(weight)
+        return _best_s(lambda: F.linear(x, weight, bias)) / _best_s(lambda: run(x, wp, bias))
+
+
+def _usable(mod: torch.nn.Linear) -> bool:
+    w = mod.weight
+    return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
+
+
+def install(model: torch.nn.Module) -> dict[str, dict]:
+    """Probe every distinct decoder linear shape and the LM head of a bf16 CPU model; prepack the
+    weights of those that pass (module docstring). Returns {shape: {equal_rows, gain, packed}}
+    (also kept on the model for logs and bench reports). Idempotent."""
+    if getattr(model, "_specmesh_onednn_report", None) is not None:
+        return model._specmesh_onednn_report
+    if getattr(model, "_specmesh_row_exact", False):  # its counts were probed on F.linear: keep that
+        log.warning("oneDNN prepacked linears not installed: rowexact.install ran first")
+        return {}
+    head = model.get_output_embeddings()
+    mods = [m for m in [*model.model.modules(), head] if isinstance(m, torch.nn.Linear) and _usable(m)]
+    decided: dict[tuple, dict] = {}
+    if available():
+        for mod in mods:
+            w = mod.weight
+            key = (tuple(w.shape), w.stride(), mod.bias is not None)
+            if key not in decided:
+                rows = equal_rows(w, mod.bias, trials=EQUAL_HEAD_TRIALS if mod is head else EQUAL_TRIALS)
+                speed = gain(w, mod.bias) if rows else 0.0
+                decided[key] = {"equal_rows": rows, "gain": round(speed, 2), "packed": rows >= 1 and speed >= 1.0}
+            if decided[key]["packed"]:
+                with torch.no_grad():
+                    mod._specmesh_onednn = pack(mod.weight)
+                mod._specmesh_onednn_equal = decided[key]["equal_rows"]
+    report = {f"{k[0][0]}x{k[0][1]}": v for k, v in decided.items()}
+    model._specmesh_onednn_report = report
+    if report:
+        log.info("oneDNN prepacked bf16 linears: %s", report)
+    return report
+
+
+def packed_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the prepacked copies (0 where none)."""
+    return sum(m._specmesh_onednn.numel() * m._specmesh_onednn.element_size() for m in model.modules()
+               if getattr(m, "_specmesh_onednn", None) is not None)
+
+
+@contextlib.contextmanager
+def step(prefill: bool):
+    """Inside batched_step: whether the step holds a prompt's prefill (then calls past a linear's
+    equal_rows keep F.linear)."""
+    token = _PREFILL.set(prefill)
+    try:
+        yield
+    finally:
+        _PREFILL.reset(token)
+
+
+def probe_apply():
+    """apply(x, W, b) from W prepacked (once per W) for rowexact's probe, which draws its own
+    wide-range weights of each shape (attribute full_shape: probe the whole shape, since oneDNN
+    may block by it)."""
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def apply(x, w, b=None):
+        if id(w) not in held:
+            held.clear()
+            held[id(w)] = (w, pack(w))
+        return run(x, held[id(w)][1], b)
+
+    apply.full_shape = True
+    return apply
+
+
+def apply_of(mod: torch.nn.Linear):
+    """What a deterministic step runs for mod: the prepacked call where installed, else None."""
+    wp = getattr(mod, "_specmesh_onednn", None)
+    if wp is None:
+        return None
+    return lambda x, w, b=None: run(x, wp, b)
+
+
+def packed(mod: torch.nn.Linear, x2: torch.Tensor) -> torch.Tensor | None:
+    """A default-mode step's call of mod on x2 [M, in] from the prepacked weight, or None where it
+    does not apply (not installed, or past equal_rows in a step with a prefill). Callers ask only
+    inside a step (cpu_gemm.in_step): HF's own forward keeps F.linear."""
+    wp = getattr(mod, "_specmesh_onednn", None)
+    if wp is None or x2.dtype != torch.bfloat16:
+        return None
+    if _PREFILL.get() and x2.shape[0] > mod._specmesh_onednn_equal:
+        return None
+    return run(x2, wp, mod.bias)

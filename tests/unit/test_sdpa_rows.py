@@ -1,0 +1,70 @@
+"""The deterministic mode's per-row attention on torch's SDPA (csrc/sdpa_rows.cpp, kv._rows_exact):
+the extension's loop makes the very calls of the Python loop, so its rows are bitwise the Python
+loop's, for chains and trees, grouped heads folded or not, bf16 and float32; a tree's slots are
+put back as they were."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specmesh.core.tree import tree_layout
+from specmesh.engine import attention, cpu_gemm, kv
+
+pytestmark = pytest.mark.skipif(cpu_gemm.load() is None, reason=f"extension not usable here: {cpu_gemm.unusable_reason()}")
+
+
+def _case(dtype, heads, kv_heads, d, length, n, seed):
+    gen = torch.Generator().manual_seed(seed)
+    pool_k = (torch.randn(kv_heads, length + n + 7, d, generator=gen) * 3).to(dtype)  # a pool layer
+    pool_v = (torch.randn(kv_heads, length + n + 7, d, generator=gen) * 3).to(dtype)
+    # the engine's query layout: [1, T, heads, D] transposed to [1, heads, T, D], this sequence at rows 2..
+    q = (torch.randn(1, n + 4, heads, d, generator=gen)).to(dtype).transpose(1, 2)[:, :, 2 : 2 + n]
+    return q, pool_k, pool_v
+
+
+def _paths(parents):
+    mask, _ = tree_layout(parents)
+    ancestors = mask.nonzero()
+    off = torch.zeros(mask.shape[0] + 1, dtype=torch.long)  # [pending, drafts]
+    off[1:] = mask.sum(1).cumsum(0)
+    return ancestors[:, 1].contiguous(), off
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("fold", [False, True])
+@pytest.mark.parametrize("tree", [False, True])
+def test_extension_rows_are_bitwise_the_python_loop(monkeypatch, dtype, fold, tree):
+    heads, kv_heads, d, length = 9, 3, 64, 261
+    parents = [-1, 0, 0, 1, 3, 2, 0, 6]
+    n = len(parents) + 1  # the pending token, then the drafts
+    q, pool_k, pool_v = _case(dtype, heads, kv_heads, d, length, n, seed=7 + fold + 2 * tree)
+    paths = _paths(parents) if tree else None
+    monkeypatch.setattr(kv, "fold_ok", lambda *a: fold)
+    monkeypatch.setattr(attention, "fold_ok", lambda *a: fold)
+    outs, pools = [], []
+    for use_ext in (True, False):
+        k, v = pool_k.clone(), pool_v.clone()
+        before = k.clone()
+        monkeypatch.setattr(cpu_gemm, "load", (lambda real: (lambda: real) if use_ext else (lambda: None))(cpu_gemm._EXT))
+        out = torch.empty(n, heads, d, dtype=dtype)
+        view_k, view_v = k[None, :, 3 : 3 + length + n], v[None, :, 3 : 3 + length + n]  # the sequence at slot 3
+        kv._rows_exact(q, view_k, view_v, length, paths, 0.125, out)
+        assert torch.equal(k, before), "the tree's slots are put back"
+        outs.append(out)
+    assert torch.equal(outs[0], outs[1])
+    # and each row is its own one-token call over the slots it sees
+    j = n - 1
+    seen = _paths(parents)[0][_paths(parents)[1][j]:] + length if tree else torch.arange(length, length + n)
+    slots = torch.cat([torch.arange(length), seen]) + 3
+    row = attention.sdpa(q[:, :, j : j + 1], pool_k[None, :, slots], pool_v[None, :, slots], None, False, 0.125)
+    assert torch.equal(outs[0][j], row[0, :, 0])
+
+
+def test_extension_rejects_bad_shapes():
+    ext = cpu_gemm.load()
+    q = torch.randn(1, 9, 3, 64)
+    k = torch.randn(1, 3, 10, 64)
+    with pytest.raises(RuntimeError, match="sdpa rows"):
+        ext.sdpa_rows(q, k, k, 5, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), None, False,
+                      torch.empty(3, 9, 64))
