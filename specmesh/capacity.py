@@ -175,8 +175,8 @@ class Plan:
         lines += ["", "add per process: the Python/torch runtime (~0.5-1 GiB on CPU; the CUDA context on a GPU);",
                   f"the KV pool holds {n} x ({T} context + one round's draft slots) and is allocated once at start",
                   "(drafts are verified in place inside it; a CPU commits its pages as they are first written).",
-                  "float32 on an x86 CPU with the CPU verify kernel (target_worker.cpu_kernel): + the weights again "
-                  "(its packed copy).",
+                  "on a CPU with target_worker.cpu_kernel on: + the weights again (float32 on an x86 CPU: the verify "
+                  "kernel's packed copy; bf16: oneDNN's prepacked copy, where its probe keeps it).",
                   f"config: target_worker.cache.max_sequences: {n}, target_worker.cache.max_tokens: {self.pool_tokens}"]
         return "\n".join(lines)
 

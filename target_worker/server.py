@@ -9,7 +9,7 @@ import sys
 import threading
 
 from specmesh.config import MAX_DRAFT_TOKENS, ConfigError
-from specmesh.engine import attention, cpu_gemm, rowexact
+from specmesh.engine import attention, cpu_gemm, onednn, rowexact
 from specmesh.engine.loader import dtype_name, load_configured_model
 from specmesh.engine.manifest import model_fingerprint
 from specmesh.errors import InvalidArgument, ModelIntegrityError, Unavailable
@@ -142,6 +142,8 @@ def main(argv=None) -> int:
              wcfg.batch_invariant, engine.batch_invariant,
              f" (probed: batched rows bitwise the {'2-row-floor' if engine.row_exact == 2 else 'one-row'} calls "
              f"up to {rowexact.probed(model, max(1, engine.row_exact))})" if rowexact.is_installed(model) else "")
+    log.info("oneDNN-prepacked bf16 linears (%.1f MB; engine.md#onednn): %s", onednn.packed_bytes(model) / 1e6,
+             getattr(model, "_specmesh_onednn_report", {}) or "none")
     log.info("verify cost model (rows -> seconds, measured at start): %s", engine.measure_cost())
     log.info("one-token attention, grouped heads as rows (attention_fold %s): %s", wcfg.attention_fold,
              attention.decisions())

@@ -140,6 +140,8 @@ def micro_markdown(doc: dict) -> str:
              f"{', int8 weights' if doc.get('weights') == 'int8' else ''}, CPU verify kernel: {doc.get('cpu_kernel', False)}, "
              f"one-token attention folded: {doc.get('attention_fold', {})}), "
              f"{m.get('date')}", ""]
+    if doc.get("onednn"):
+        lines += [f"oneDNN-prepacked bf16 linears (probe: rows bitwise F.linear's, one-row speed-up): {doc['onednn']}", ""]
     if doc.get("row_exact_probe"):
         lines += [f"batch_invariant below: row-exact mode {doc.get('row_exact', 1)} (rowexact.rows), "
                   f"rows per call {doc['row_exact_probe']}", ""]
@@ -166,7 +168,8 @@ def _load(cfg, draft: bool) -> tuple:
         model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
                                                  cfg.model.require_manifest, cfg.model.device)
         attention.configure(cfg.target_worker.attention_fold)
-        setup = {"cpu_kernel": bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model)}
+        setup = {"cpu_kernel": bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model),
+                 "onednn": getattr(model, "_specmesh_onednn_report", {})}  # prepacked bf16 linears (onednn.py)
         # the deterministic mode as the worker runs it: auto's pick where that is one, else true's
         rowexact.install(model)
         mode = rowexact.mode_for(model, cfg.target_worker.batch_invariant) or 1  # off: time true's
