@@ -67,12 +67,13 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def bucket(m: int) -> int:
-    """The row count a call of m rows runs at: 1, 2, 4, 8, then multiples of 8 to 64, then of 32.
-    oneDNN keeps a primitive per input shape (~0.7 MB each on an AMX Xeon: 299 row counts through
-    one 1536x576 weight grew the process by 210 MB), so steps of every row count would grow the
-    worker by hundreds of MB; ~17 buckets per weight up to 256 rows bound it."""
-    if m <= 8:
-        return 1 << (m - 1).bit_length()
+    """The row count a call of m rows runs at: m itself up to 16 (a decode, a verify of up to 15
+    drafts: padding 9 rows to 16 cost a 9-position verify ~3.5%), then multiples of 8 to 64, then
+    of 32. oneDNN keeps a primitive per input shape (~0.7 MB each on an AMX Xeon: 299 row counts
+    through one 1536x576 weight grew the process by 210 MB), so steps of every row count would grow
+    the worker by hundreds of MB; ~28 buckets per weight up to 256 rows bound it."""
+    if m <= 16:
+        return m
     step = 8 if m <= 64 else 32
     return -(-m // step) * step
 
