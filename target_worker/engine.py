@@ -58,6 +58,8 @@ class TargetEngine(ModelThread):
         # where the CPU kernels are allowed (row_attn.py: never the target alone's own steps)
         row_attn.enable_bf16(model, self.row_exact == 2 or (self.row_exact == 0 and bool(cpu_kernel)))
         self.model = rowexact.install(model) if self.batch_invariant else model
+        if self.row_exact and next(model.parameters()).device.type == "cpu":
+            cpu_gemm.load()  # deterministic rows' SDPA loop (kv._rows_exact): built or loaded now, not in a step
         cfg = model.config.get_text_config()
         self.vocab_size, self.num_layers = cfg.vocab_size, cfg.num_hidden_layers
         self.context_window = getattr(cfg, "max_position_embeddings", None) or 1 << 30
