@@ -28,10 +28,11 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 
 import torch
 import torch.nn.functional as F
+
+from specmesh.engine.rowprobe import _wide, best_s
 
 log = logging.getLogger(__name__)
 
@@ -70,8 +71,6 @@ def _equal(device, dtype, heads: int, kv_heads: int, d: int, scale) -> bool:
     keys are N(0, 1) x a per-draw spread (scores of a few units: a softmax that weighs many slots;
     wide-range keys would saturate it to one slot and hide any other order); values wide-range
     (rowexact's _wide), so another order of the weighted sum rounds differently."""
-    from specmesh.engine.rowprobe import _wide
-
     gen = torch.Generator().manual_seed(0)
     like = torch.empty(0, dtype=dtype, device=device)
     for length in PROBE_LENGTHS:
@@ -84,27 +83,13 @@ def _equal(device, dtype, heads: int, kv_heads: int, d: int, scale) -> bool:
     return True
 
 
-def _best_s(fn, device) -> float:
-    """Fastest of TIME_REPEATS timed calls (after one untimed), in seconds."""
-    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
-    fn()
-    best = float("inf")
-    for _ in range(TIME_REPEATS):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def _gain(device, dtype, heads: int, kv_heads: int, d: int, scale) -> float:
     """HF's call time / the folded call's at TIME_LENGTH slots (fastest of a few each)."""
     gen = torch.Generator().manual_seed(1)
     q = _draw(gen, (1, heads, 1, d), 1.0, dtype, device)
     k, v = (_draw(gen, (1, kv_heads, TIME_LENGTH, d), 1.0, dtype, device) for _ in range(2))
-    return (_best_s(lambda: _hf_call(q, k, v, None, False, scale), device)
-            / _best_s(lambda: _folded(q, k, v, scale), device))
+    return (best_s(lambda: _hf_call(q, k, v, None, False, scale), device, TIME_REPEATS)
+            / best_s(lambda: _folded(q, k, v, scale), device, TIME_REPEATS))
 
 
 def configure(fold: bool | str) -> None:

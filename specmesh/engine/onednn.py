@@ -39,12 +39,11 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import logging
-import time
 
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine.rowprobe import _wide
+from specmesh.engine.rowprobe import _wide, best_s
 
 log = logging.getLogger(__name__)
 
@@ -110,22 +109,13 @@ def equal_rows(weight: torch.Tensor, bias: torch.Tensor | None, max_rows: int = 
     return found
 
 
-def _best_s(fn) -> float:
-    fn()
-    best = float("inf")
-    for _ in range(TIME_REPEATS):
-        t0 = time.perf_counter()
-        fn()
-        best = min(best, time.perf_counter() - t0)
-    return best
-
-
 def gain(weight: torch.Tensor, bias: torch.Tensor | None) -> float:
     """F.linear's one-row time / the prepacked call's, on the real weight."""
     with torch.no_grad():
         x = torch.randn(1, weight.shape[1]).to(weight.dtype)
         wp = pack(weight)
-        return _best_s(lambda: F.linear(x, weight, bias)) / _best_s(lambda: run(x, wp, bias))
+        return (best_s(lambda: F.linear(x, weight, bias), repeats=TIME_REPEATS)
+                / best_s(lambda: run(x, wp, bias), repeats=TIME_REPEATS))
 
 
 def _usable(mod: torch.nn.Linear) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import time
 
 import torch
 
@@ -56,3 +57,18 @@ def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     out = (torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
            if tuple(like.shape) == tuple(shape) else torch.empty(shape, dtype=like.dtype, device=like.device))
     return out.copy_(vals)
+
+
+def best_s(fn, device="cpu", repeats: int = 5) -> float:
+    """Fastest of `repeats` timed calls of fn (after one untimed), in seconds; a GPU synchronised
+    around each (the speed probes of attention.py and onednn.py)."""
+    sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+    fn()
+    best = float("inf")
+    for _ in range(repeats):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        best = min(best, time.perf_counter() - t0)
+    return best
