@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from specmesh.engine import onednn
+from specmesh.engine.rowprobe import packing_apply
 
 log = logging.getLogger(__name__)
 
@@ -173,15 +174,7 @@ def apply(mod: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def kernel_apply():
     """apply(x, W, b) through the kernel for rowexact's probe (packs each probe weight once)."""
-    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-
-    def apply(x, w, b):
-        if id(w) not in held:
-            held.clear()
-            held[id(w)] = (w, _EXT.pack(w))
-        return _EXT.linear(x, held[id(w)][1], b, w.shape[0])
-
-    return apply
+    return packing_apply(lambda w: _EXT.pack(w), lambda x, wp, b, w: _EXT.linear(x, wp, b, w.shape[0]))
 
 
 def packed_bytes(model: torch.nn.Module) -> int:

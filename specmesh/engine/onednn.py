@@ -43,7 +43,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine.rowprobe import _wide, best_s
+from specmesh.engine.rowprobe import _wide, best_s, packing_apply
 
 log = logging.getLogger(__name__)
 
@@ -173,18 +173,13 @@ def step(prefill: bool):
 
 def probe_apply():
     """apply(x, W, b) from W prepacked (once per W) for rowexact's probe, which draws its own
-    wide-range weights of each shape (attribute full_shape: probe the whole shape, since oneDNN
-    may block by it)."""
-    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    wide-range weights of each shape (full_shape: probe the whole shape, since oneDNN may block by it)."""
+    return packing_apply(pack, lambda x, wp, b, w: run(x, wp, b), full_shape=True)
 
-    def apply(x, w, b=None):
-        if id(w) not in held:
-            held.clear()
-            held[id(w)] = (w, pack(w))
-        return run(x, held[id(w)][1], b)
 
-    apply.full_shape = True
-    return apply
+def is_packed(mod: torch.nn.Module) -> bool:
+    """Whether install prepacked mod's weight."""
+    return getattr(mod, "_specmesh_onednn", None) is not None
 
 
 def apply_of(mod: torch.nn.Linear):

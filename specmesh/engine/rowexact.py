@@ -108,7 +108,7 @@ def _apply_of(mod: torch.nn.Linear):
     prepacked call where onednn.install prepacked it, else F.linear."""
     if getattr(mod, "_specmesh_packed", None) is not None:
         return cpu_gemm.kernel_apply()
-    return onednn.probe_apply() if onednn.apply_of(mod) is not None else F.linear
+    return onednn.probe_apply() if onednn.is_packed(mod) else F.linear
 
 
 def _probe(weight, bias, max_rows: int, apply, trials: int) -> tuple[int, int]:
@@ -137,7 +137,7 @@ def _probe_linears(model: torch.nn.Module) -> None:
         if isinstance(mod, torch.nn.Linear):
             w = mod.weight
             kernel = getattr(mod, "_specmesh_packed", None) is not None
-            prepacked = onednn.apply_of(mod) is not None  # probed further: 256 rows on an AMX Xeon
+            prepacked = onednn.is_packed(mod)  # probed further: 256 rows on an AMX Xeon
             key = (tuple(w.shape), w.dtype, str(w.device), mod.bias is not None, w.stride(), kernel, prepacked)
             if key not in seen:
                 seen[key] = _probe(w, mod.bias, PROBE_PACKED_ROWS if prepacked else PROBE_ROWS, _apply_of(mod),

@@ -59,6 +59,22 @@ def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return out.copy_(vals)
 
 
+def packing_apply(pack, run, full_shape: bool = False):
+    """apply(x, W, b=None) for a probe that draws its own wide-range weights of each shape: each W
+    packed once by pack(W) (the last one kept), then run(x, packed, b, W). full_shape: the probe
+    must draw the whole shape (a kernel may block by it)."""
+    held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+
+    def apply(x, w, b=None):
+        if id(w) not in held:
+            held.clear()
+            held[id(w)] = (w, pack(w))
+        return run(x, held[id(w)][1], b, w)
+
+    apply.full_shape = full_shape
+    return apply
+
+
 def best_s(fn, device="cpu", repeats: int = 5) -> float:
     """Fastest of `repeats` timed calls of fn (after one untimed), in seconds; a GPU synchronised
     around each (the speed probes of attention.py and onednn.py)."""
