@@ -25,8 +25,10 @@ import contextlib
 import contextvars
 import hashlib
 import logging
+import os
 import platform
 import shutil
+import sys
 from pathlib import Path
 
 import torch
@@ -81,6 +83,18 @@ def build_flags(cpuinfo: str | None = None) -> list[str]:
     return ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in (cpu_flags(cpuinfo) or set()) else [])
 
 
+def _build_dir(name: str) -> str | None:
+    """The build's folder inside the running environment (a venv's own), else torch's default.
+    torch versions a build by its include paths too, so two checkouts' venvs sharing torch's
+    default folder would rebuild it (~80 s) each time the other one had loaded it."""
+    folder = Path(sys.prefix) / "specmesh-ext" / name
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+    except OSError:
+        return None
+    return str(folder) if os.access(folder, os.W_OK) else None
+
+
 def load():
     """The compiled extension (built on first use, then cached), or None with a logged reason."""
     global _EXT, _TRIED
@@ -95,9 +109,10 @@ def load():
 
     flags = build_flags()
     digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(flags).encode()).hexdigest()[:12]
+    name = f"specmesh_packed_gemm_{digest}"
     try:
-        _EXT = load_ext(f"specmesh_packed_gemm_{digest}", [str(p) for p in SOURCES], extra_cflags=flags,
-                        verbose=False)
+        _EXT = load_ext(name, [str(p) for p in SOURCES], extra_cflags=flags, verbose=False,
+                        build_directory=_build_dir(name))
     except Exception as exc:  # noqa: BLE001 - any build failure: torch's linears serve instead
         log.warning("CPU verify kernel failed to build, torch's linears serve: %s", str(exc).splitlines()[-1:])
         _EXT = None
