@@ -66,14 +66,17 @@ def pack(w: torch.Tensor) -> torch.Tensor:
 
 
 def bucket(m: int) -> int:
-    """The row count a call of m rows runs at: m itself up to 16 (a decode, a verify of up to 15
-    drafts: padding 9 rows to 16 cost a 9-position verify ~3.5%), then multiples of 8 to 64, then
-    of 32. oneDNN keeps a primitive per input shape (~0.7 MB each on an AMX Xeon: 299 row counts
-    through one 1536x576 weight grew the process by 210 MB), so steps of every row count would grow
-    the worker by hundreds of MB; ~28 buckets per weight up to 256 rows bound it."""
-    if m <= 16:
+    """The row count a call of m rows runs at: m itself up to 32 (a decode of up to 32 sequences,
+    a verify of up to 31 drafts, a 16-node tree, 4 chains of 5), then multiples of 8 to 128, of 16
+    to 256, then of 32. oneDNN keeps a primitive per input shape (~0.6 MB each: 299 row counts
+    through one 1536x576 weight grew a process by 210 MB on an AMX Xeon), so steps of every row
+    count would grow the worker by hundreds of MB; 52 buckets per weight shape up to 256 rows bound
+    it (~30 MB per shape). Past ~16 rows a call's time grows with its rows (a Zen 4 EPYC, 1536x576:
+    17 rows 188 us, 24 rows 223; 68 rows 624, 96 rows 830), so buckets are narrow: a 16-node
+    tree's 17 rows had run at 24 (~12% of its step), 4 trees' 68 at 96."""
+    if m <= 32:
         return m
-    step = 8 if m <= 64 else 32
+    step = 8 if m <= 128 else 16 if m <= 256 else 32
     return -(-m // step) * step
 
 

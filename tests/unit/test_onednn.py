@@ -88,3 +88,15 @@ def test_a_step_with_a_prefill_keeps_f_linear_past_equal_rows(pair):
     with onednn.step(prefill=False):
         assert onednn.packed(mod, large) is not None
     assert onednn.packed(mod, small.float()) is None  # another dtype: F.linear
+
+
+def test_row_buckets_pad_little_and_stay_few():
+    """Calls run at bucket(m) rows: never fewer than m, at most 7 rows of padding up to 128 rows
+    (a call's time grows with its rows there), and few distinct counts (oneDNN keeps a primitive
+    per input shape)."""
+    got = [onednn.bucket(m) for m in range(1, 513)]
+    assert all(b >= m for m, b in zip(range(1, 513), got))
+    assert all(b == m for m, b in zip(range(1, 33), got))
+    assert max(b - m for m, b in zip(range(1, 129), got)) <= 7
+    assert len(set(got[:256])) <= 56
+    assert all(onednn.bucket(b) == b for b in set(got))  # a bucket runs as itself
