@@ -12,6 +12,7 @@ ENV_VARS = {
     # specmesh itself
     "SPECMESH_CONFIG": "the YAML config file (specmesh.config.load_config)",
     "SPECMESH_HOME": "model cache root (specmesh.engine.fetch), default ~/.cache/specmesh",
+    "SPECMESH_PROBE_CACHE": "start-up probe results' folder, or off (specmesh.engine.probecache), default $SPECMESH_HOME/probes",
     "SPECMESH_REDIS_URL": "Redis for API keys / rate limits when auth.redis_url is null (specmesh.auth.store)",
     "SPECMESH_AUTH": "'required' forces API keys on (specmesh.config_ops)",
     "SPECMESH_API_KEY": "the key `specmesh generate` sends (specmesh.auth.cli)",

@@ -28,6 +28,9 @@ from specmesh.netutil import free_ports
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    # the start-up probes run in every test, unless a tier asks otherwise: a cached result would
+    # hide a probe a test tampers with (tests/e2e keeps one cache for its processes' starts)
+    os.environ["SPECMESH_PROBE_CACHE"] = "off"
     threads = int(os.environ.get("SPECMESH_TEST_TORCH_THREADS", "1"))
     if threads > 0:
         torch.set_num_threads(threads)

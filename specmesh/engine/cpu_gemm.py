@@ -189,7 +189,7 @@ def apply(mod: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 def kernel_apply():
     """apply(x, W, b) through the kernel for rowexact's probe (packs each probe weight once)."""
-    return packing_apply(lambda w: _EXT.pack(w), lambda x, wp, b, w: _EXT.linear(x, wp, b, w.shape[0]))
+    return packing_apply(lambda w: _EXT.pack(w), lambda x, wp, b, w: _EXT.linear(x, wp, b, w.shape[0]), "packed kernel")
 
 
 def packed_bytes(model: torch.nn.Module) -> int:

@@ -43,6 +43,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
+from specmesh.engine import probecache
 from specmesh.engine.rowprobe import _wide, best_s, packing_apply
 
 log = logging.getLogger(__name__)
@@ -121,6 +122,14 @@ def gain(weight: torch.Tensor, bias: torch.Tensor | None) -> float:
                 / best_s(lambda: run(x, wp, bias), repeats=TIME_REPEATS))
 
 
+def _kept_equal_rows(weight: torch.Tensor, bias: torch.Tensor | None, trials: int) -> int:
+    """equal_rows, from probecache where it ran before on this machine and software."""
+    args = {"weight": probecache.tensor_key(weight), "bias": probecache.tensor_key(bias), "rows": EQUAL_PROBE_ROWS,
+            "trials": trials}
+    return probecache.cached("onednn.equal_rows", args, weight.device,
+                             lambda: equal_rows(weight, bias, trials=trials))
+
+
 def _usable(mod: torch.nn.Linear) -> bool:
     w = mod.weight
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
@@ -143,7 +152,7 @@ def install(model: torch.nn.Module) -> dict[str, dict]:
             w = mod.weight
             key = (tuple(w.shape), w.stride(), mod.bias is not None)
             if key not in decided:
-                rows = equal_rows(w, mod.bias, trials=EQUAL_HEAD_TRIALS if mod is head else EQUAL_TRIALS)
+                rows = _kept_equal_rows(w, mod.bias, EQUAL_HEAD_TRIALS if mod is head else EQUAL_TRIALS)
                 speed = gain(w, mod.bias) if rows else 0.0
                 decided[key] = {"equal_rows": rows, "gain": round(speed, 2), "packed": rows >= 1 and speed >= 1.0}
             if decided[key]["packed"]:
@@ -177,7 +186,7 @@ def step(prefill: bool):
 def probe_apply():
     """apply(x, W, b) from W prepacked (once per W) for rowexact's probe, which draws its own
     wide-range weights of each shape (full_shape: probe the whole shape, since oneDNN may block by it)."""
-    return packing_apply(pack, lambda x, wp, b, w: run(x, wp, b), full_shape=True)
+    return packing_apply(pack, lambda x, wp, b, w: run(x, wp, b), "onednn prepacked", full_shape=True)
 
 
 def is_packed(mod: torch.nn.Module) -> bool:

@@ -52,7 +52,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, onednn, quant, rownorm
+from specmesh.engine import cpu_gemm, onednn, probecache, quant, rownorm
 from specmesh.engine.loader import dtype_name
 from specmesh.engine.rowprobe import (  # noqa: F401 (callers and tests read them here)
     _ACTIVE, KERNEL_PROBE_OUT, PROBE_HEAD_ROWS, PROBE_HEAD_TRIALS, PROBE_PACKED_ROWS, PROBE_ROWS, PROBE_TRIALS, _wide,
@@ -114,10 +114,22 @@ def _apply_of(mod: torch.nn.Linear):
 def _probe(weight, bias, max_rows: int, apply, trials: int) -> tuple[int, int]:
     """(one-row count, 2-row-floor count): the second is probed only where the first is below
     CHEAP_ROWS (else 0: the floor is never used for this product)."""
-    rows = probe_rows(weight, bias, max_rows, apply=apply, trials=trials)
+    rows = _kept(weight, bias, max_rows, apply, trials, 1)
     if rows >= CHEAP_ROWS:
         return rows, 0
-    return rows, probe_rows(weight, bias, max_rows, apply=apply, trials=trials, floor=2)
+    return rows, _kept(weight, bias, max_rows, apply, trials, 2)
+
+
+def _kept(weight, bias, max_rows: int, apply, trials: int, floor: int) -> int:
+    """probe_rows, from probecache where it ran before on this machine and software (a kernel
+    without a name probes every time)."""
+    run = lambda: probe_rows(weight, bias, max_rows, apply=apply, trials=trials, floor=floor)  # noqa: E731
+    kind = "F.linear" if apply is F.linear else getattr(apply, "kind", None)
+    if kind is None:
+        return run()
+    args = {"weight": probecache.tensor_key(weight), "bias": probecache.tensor_key(bias), "rows": max_rows,
+            "kernel": kind, "trials": trials, "floor": floor}
+    return probecache.cached("rowexact.probe_rows", args, weight.device, run)
 
 
 def chunking(one: int, two: int, mode: int) -> tuple[int, int]:

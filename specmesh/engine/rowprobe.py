@@ -59,10 +59,10 @@ def _wide(shape, like: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
     return out.copy_(vals)
 
 
-def packing_apply(pack, run, full_shape: bool = False):
+def packing_apply(pack, run, kind: str, full_shape: bool = False):
     """apply(x, W, b=None) for a probe that draws its own wide-range weights of each shape: each W
-    packed once by pack(W) (the last one kept), then run(x, packed, b, W). full_shape: the probe
-    must draw the whole shape (a kernel may block by it)."""
+    packed once by pack(W) (the last one kept), then run(x, packed, b, W). kind names the kernel
+    (probecache keys by it); full_shape: the probe must draw the whole shape (a kernel may block by it)."""
     held: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
 
     def apply(x, w, b=None):
@@ -72,6 +72,7 @@ def packing_apply(pack, run, full_shape: bool = False):
         return run(x, held[id(w)][1], b, w)
 
     apply.full_shape = full_shape
+    apply.kind = kind
     return apply
 
 

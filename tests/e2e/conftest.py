@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -27,6 +29,28 @@ SPECMESH = [sys.executable, "-m", "specmesh.cli"]
 SERVICES = ("target_worker", "draft_worker", "coordinator", "gateway")
 START_TIMEOUT_S = 300.0  # four processes loading torch + the model on a slow shared box
 PID_LINE = re.compile(r"specmesh: (\w+) serving on (\S+) \(pid (\d+)\)")
+
+
+PROBE_CACHE = Path(tempfile.mkdtemp(prefix="specmesh-e2e-probes-"))
+
+
+def pytest_runtest_setup(item):
+    """This tier's mesh processes share one probe cache of their own (probecache.py): a worker's
+    second start on the same model skips its start-up probes, as a user's does. Set before the
+    test's fixtures start anything; the suite's other tiers probe every time (tests/conftest.py)."""
+    os.environ["SPECMESH_PROBE_CACHE"] = str(PROBE_CACHE)
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    try:
+        return (yield)
+    finally:
+        os.environ["SPECMESH_PROBE_CACHE"] = "off"
+
+
+def pytest_sessionfinish(session):
+    shutil.rmtree(PROBE_CACHE, ignore_errors=True)
 
 
 def model_cached() -> bool:
