@@ -98,7 +98,12 @@ def _read(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+_UNWRITABLE: set[Path] = set()  # folders a write failed in (warned once; probes still run)
+
+
 def _write(path: Path, data: dict) -> None:
+    if path.parent in _UNWRITABLE:
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
@@ -106,7 +111,8 @@ def _write(path: Path, data: dict) -> None:
             json.dump(data, f, indent=0, sort_keys=True)
         os.replace(tmp, path)
     except OSError as exc:  # a read-only home: probes still run, every start
-        log.warning("probe cache not written (%s): %s", path, exc)
+        _UNWRITABLE.add(path.parent)
+        log.warning("probe cache not written (%s): %s; probing at every start", path, exc)
 
 
 def tensor_key(t: torch.Tensor | None) -> list | None:

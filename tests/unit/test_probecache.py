@@ -127,3 +127,15 @@ def test_onednn_install_reads_its_equal_rows_back(cache, monkeypatch):
     monkeypatch.setattr(onednn, "equal_rows", refuse)
     second = onednn.install(model())
     assert {k: v["equal_rows"] for k, v in second.items()} == {k: v["equal_rows"] for k, v in first.items()}
+
+
+def test_an_unwritable_folder_probes_and_warns_once(tmp_path, monkeypatch, caplog):
+    blocker = tmp_path / "file"
+    blocker.write_text("not a folder")
+    monkeypatch.setenv(probecache.ENV, str(blocker / "probes"))  # a folder under a file: cannot exist
+    compute, calls = _counting(2)
+    with caplog.at_level("WARNING", logger=probecache.__name__):
+        assert probecache.cached("probe", {"a": 1}, "cpu", compute) == 2
+        assert probecache.cached("probe", {"a": 2}, "cpu", compute) == 2
+    assert len(calls) == 2
+    assert sum("probe cache not written" in r.getMessage() for r in caplog.records) == 1
