@@ -124,10 +124,8 @@ def gain(weight: torch.Tensor, bias: torch.Tensor | None) -> float:
 
 def _kept_equal_rows(weight: torch.Tensor, bias: torch.Tensor | None, trials: int) -> int:
     """equal_rows, from probecache where it ran before on this machine and software."""
-    args = {"weight": probecache.tensor_key(weight), "bias": probecache.tensor_key(bias), "rows": EQUAL_PROBE_ROWS,
-            "trials": trials}
-    return probecache.cached("onednn.equal_rows", args, weight.device,
-                             lambda: equal_rows(weight, bias, trials=trials))
+    return probecache.cached_for("onednn.equal_rows", weight, bias, lambda: equal_rows(weight, bias, trials=trials),
+                                 rows=EQUAL_PROBE_ROWS, trials=trials)
 
 
 def _usable(mod: torch.nn.Linear) -> bool:

@@ -122,6 +122,13 @@ def tensor_key(t: torch.Tensor | None) -> list | None:
     return [list(t.shape), list(t.stride()), str(t.dtype), str(t.device)]
 
 
+def cached_for(kind: str, weight: torch.Tensor, bias: torch.Tensor | None, compute, **args):
+    """cached() for a probe that imitates weight (and bias): keyed by their shape, strides, dtype
+    and device, and by args (rows, trials, ...)."""
+    key = {"weight": tensor_key(weight), "bias": tensor_key(bias), **args}
+    return cached(kind, key, weight.device, compute)
+
+
 def cached(kind: str, args: dict, device: torch.device | str, compute):
     """compute()'s JSON-able result, from the cache where this probe ran before on this machine
     and software (module docstring), else computed and kept."""

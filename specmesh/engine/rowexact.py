@@ -127,9 +127,8 @@ def _kept(weight, bias, max_rows: int, apply, trials: int, floor: int) -> int:
     kind = "F.linear" if apply is F.linear else getattr(apply, "kind", None)
     if kind is None:
         return run()
-    args = {"weight": probecache.tensor_key(weight), "bias": probecache.tensor_key(bias), "rows": max_rows,
-            "kernel": kind, "trials": trials, "floor": floor}
-    return probecache.cached("rowexact.probe_rows", args, weight.device, run)
+    return probecache.cached_for("rowexact.probe_rows", weight, bias, run, rows=max_rows, kernel=kind, trials=trials,
+                                 floor=floor)
 
 
 def chunking(one: int, two: int, mode: int) -> tuple[int, int]:
