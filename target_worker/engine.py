@@ -55,8 +55,9 @@ class TargetEngine(ModelThread):
         self.row_exact = resolve_batch_invariant(model, batch_invariant)  # 0 / 1 / 2 (rowexact.rows)
         self.batch_invariant = bool(self.row_exact)
         # bf16 attention rows on the row kernel: the mesh's own kernels (mode 2), and batched steps
-        # where the CPU kernels are allowed (row_attn.py: never the target alone's own steps)
-        row_attn.enable_bf16(model, self.row_exact == 2 or (self.row_exact == 0 and bool(cpu_kernel)))
+        # where the CPU kernels are allowed, under auto where probed faster (row_attn.py: never the
+        # target alone's own steps)
+        row_attn.enable_bf16(model, True if self.row_exact == 2 else self.row_exact == 0 and cpu_kernel)
         self.model = rowexact.install(model) if self.batch_invariant else model
         if self.row_exact and next(model.parameters()).device.type == "cpu":
             cpu_gemm.load()  # deterministic rows' SDPA loop (kv._rows_exact): built or loaded now, not in a step

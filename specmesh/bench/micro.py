@@ -142,6 +142,10 @@ def micro_markdown(doc: dict) -> str:
              f"{m.get('date')}", ""]
     if doc.get("onednn"):
         lines += [f"oneDNN-prepacked bf16 linears (probe: rows bitwise F.linear's, one-row speed-up): {doc['onednn']}", ""]
+    if doc.get("row_attn_bf16") is not None and doc.get("dtype") == "bfloat16" and not doc.get("draft"):
+        gain = doc.get("row_attn_gain")
+        lines += [f"batched rows' attention: {'the row kernel' if doc['row_attn_bf16'] else 'torch SDPA per sequence'}"
+                  + (f" (probe: the kernel at {gain}x SDPA's speed)" if gain is not None else ""), ""]
     if doc.get("row_exact_probe"):
         lines += [f"batch_invariant below: row-exact mode {doc.get('row_exact', 1)} (rowexact.rows), "
                   f"rows per call {doc['row_exact_probe']}", ""]
@@ -175,8 +179,9 @@ def _load(cfg, draft: bool) -> tuple:
         mode = rowexact.mode_for(model, cfg.target_worker.batch_invariant) or 1  # off: time true's
         # as the worker does (TargetEngine): bf16 rows on the row kernel in mode 2, and in the batched
         # mode where the CPU kernels are allowed (then mode 1's column keeps HF's SDPA)
-        bf16_rows = row_attn.enable_bf16(model, mode == 2 or bool(cfg.target_worker.cpu_kernel))
+        bf16_rows = row_attn.enable_bf16(model, True if mode == 2 else cfg.target_worker.cpu_kernel)
         return model_dir, model, {**setup, "row_attn_bf16": bf16_rows, "row_exact": mode,
+                                  "row_attn_gain": getattr(model, "_specmesh_row_attn_gain", None),
                                   "row_exact_probe": rowexact.probed(model, mode)}
     model_dir, model, setup = load_draft_model(cfg)
     return model_dir, model, {"draft": True, **setup}

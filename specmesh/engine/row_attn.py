@@ -23,16 +23,22 @@ is the mesh's own decode step, every step. In batched steps (not deterministic) 
 not the target alone's arithmetic anyway: never a lone one-token step and never a prefill (a
 sequence with nothing cached), so the target alone at concurrency 1 stays HF's SDPA, and its
 output HF `generate`'s; nor a sequence of more than BF16_MAX_ROWS rows, where one SDPA call over
-them is cheaper. The deterministic mode on HF's kernels (rows(1)) never takes it.
+them is cheaper; and under target_worker.cpu_kernel auto only where a start-up timing probe finds
+it faster than those SDPA calls (bf16_gain: on an AMX Xeon SDPA's AMX GEMMs serve a sequence's rows
+at once, and the kernel ran at 0.79x their speed). The deterministic mode on HF's kernels
+(rows(1)) never takes it.
 """
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 
 import torch
 
 from specmesh.engine import cpu_gemm
+
+log = logging.getLogger(__name__)
 
 MAX_ROWS = 64  # a sequence with more new rows than this (a prefill) keeps SDPA, unless it is a tree
 # bf16, batched: a sequence with more new rows keeps SDPA, whose one call over its rows costs less
@@ -56,14 +62,58 @@ class RowPlan:
     extra: torch.Tensor  # [E] long: pool slots (a tree row's path)
 
 
-def enable_bf16(model: torch.nn.Module, on: bool = True) -> bool:
+def enable_bf16(model: torch.nn.Module, on: bool | str = True) -> bool:
     """Let bf16 CPU steps take the kernel (module docstring: the 2-row-floor mode, and batched
-    steps other than a lone one-token step or a prefill), or not (on=False). The kernel is built
-    here, not inside a step. True when it is allowed and available."""
+    steps other than a lone one-token step or a prefill), or not (on=False); "auto" (batched
+    steps, target_worker.cpu_kernel's default): only where the start-up timing probe finds the
+    kernel faster than the SDPA calls it replaces (bf16_gain; logged). The kernel is built here,
+    not inside a step. True when it is allowed and available."""
     param = next(model.parameters())
-    ok = on and param.dtype == torch.bfloat16 and param.device.type == "cpu" and cpu_gemm.load() is not None
+    ok = bool(on) and param.dtype == torch.bfloat16 and param.device.type == "cpu" and cpu_gemm.load() is not None
+    if ok and on == "auto":
+        gain = bf16_gain(model)
+        ok = gain >= 1.0
+        model._specmesh_row_attn_gain = round(gain, 2)
+        log.info("bf16 batched verify rows' attention: %s (the row kernel runs at %.2fx the SDPA calls' speed; "
+                 "cpu_kernel auto)", "the row kernel" if ok else "torch SDPA, one call per sequence", gain)
     model._specmesh_row_attn_bf16 = ok
     return ok
+
+
+PROBE_SLOTS = 256  # cached slots per sequence of bf16_gain's probe (the micro-bench's context)
+PROBE_SEQS, PROBE_ROWS = 4, 5  # ... its sequences, and new rows each (a 4-draft verify)
+
+
+def bf16_gain(model: torch.nn.Module) -> float:
+    """Time of one layer's attention for PROBE_SEQS sequences of PROBE_ROWS chain rows over
+    PROBE_SLOTS cached slots each, as a batched bf16 step runs it without the kernel (kv.py: one
+    SDPA call per sequence, its causal mask) / with it (one call); fastest of a few each, at the
+    model's heads. > 1: the kernel is faster. On a Zen 4 EPYC HF's bf16 SDPA is slow and the
+    kernel wins; on an AMX Xeon SDPA's AMX GEMMs serve several rows at once and it loses."""
+    from specmesh.engine.attention import sdpa
+    from specmesh.engine.rowprobe import best_s
+
+    cfg = model.config.get_text_config()
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    n, length, seqs = PROBE_ROWS, PROBE_SLOTS, PROBE_SEQS
+    gen = torch.Generator().manual_seed(0)
+    k, v = (torch.randn(kv_heads, seqs * (length + n), d, generator=gen).bfloat16() for _ in range(2))
+    q = torch.randn(seqs * n, heads, d, generator=gen).bfloat16()  # [R, heads, D]
+    qs = q.view(seqs, n, heads, d).transpose(1, 2)  # [B, heads, n, D]
+    mask = torch.cat([torch.ones(n, length, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
+    start = _long([b * (length + n) for b in range(seqs) for _ in range(n)])
+    lengths = _long([length + j + 1 for _ in range(seqs) for j in range(n)])
+    off, extra, scale = torch.zeros(seqs * n + 1, dtype=torch.long), _long([]), d**-0.5
+    ext = cpu_gemm.load()
+
+    def by_sdpa():
+        for b in range(seqs):
+            at = b * (length + n)
+            sdpa(qs[b : b + 1], k[None, :, at : at + length + n], v[None, :, at : at + length + n], mask, False, scale)
+
+    with torch.inference_mode():
+        return best_s(by_sdpa) / best_s(lambda: ext.row_attention(q, k, v, start, lengths, off, extra, scale))
 
 
 def usable(model: torch.nn.Module, kvs, row_exact: int = 0, sizes: list[int] | None = None) -> bool:

@@ -206,3 +206,25 @@ def test_bf16_batched_steps_take_the_kernel_but_never_the_target_alone_s_own_ste
     finally:
         cpu_gemm._EXT = saved
         row_attn.enable_bf16(model, False)
+
+
+def test_bf16_auto_takes_the_kernel_only_where_the_probe_times_it_faster(monkeypatch):
+    """cpu_kernel auto (enable_bf16(model, "auto")): the kernel is allowed exactly where
+    bf16_gain (SDPA's time / the kernel's) is at least 1, and the gain is kept for reports; a
+    float32 model is never allowed it, whatever the gain; the real probe returns a positive speed ratio."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(vocab_size=96, hidden_size=128, intermediate_size=192, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512)
+    model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    measured = row_attn.bf16_gain(model)
+    assert measured > 0
+    try:
+        for gain, allowed in ((0.7, False), (1.0, True), (1.6, True)):
+            monkeypatch.setattr(row_attn, "bf16_gain", lambda m, g=gain: g)
+            assert row_attn.enable_bf16(model, "auto") is allowed
+            assert model._specmesh_row_attn_gain == gain
+        assert row_attn.enable_bf16(model, True)  # forced: no probe
+        assert not row_attn.enable_bf16(LlamaForCausalLM(cfg).eval(), "auto")  # float32
+    finally:
+        row_attn.enable_bf16(model, False)
