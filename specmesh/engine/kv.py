@@ -48,7 +48,8 @@ _NO_PATH = torch.empty(0, dtype=torch.long)
 
 @dataclass
 class _Seq:
-    """One sequence of a step. mask: [n, L + n] bool on the device (None: all visible);
+    """One sequence of a step. mask: [n, L + n] additive (0 visible, -inf not) in the pool's dtype on
+    the device (None: all visible);
     paths: row_exact tree rows, each row's ancestor path as new-token indices, root first, all
     rows' paths in one [E] long tensor on the device and row j's at [off[j], off[j + 1]) (off:
     [n + 1] long on the host); None for chains."""
@@ -192,10 +193,18 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool) -> tupl
             s.causal = True
         elif n > 1:
             new = tree.to(kv.device) if tree is not None else torch.ones(n, n, dtype=torch.bool, device=kv.device).tril()
-            s.mask = torch.cat([torch.ones(n, length, dtype=torch.bool, device=kv.device), new], 1)
+            s.mask = _additive(torch.cat([torch.ones(n, length, dtype=torch.bool, device=kv.device), new], 1),
+                               kv.pool.dtype)
         seqs.append(s)
         offset += n
     return _Plan(seqs, row_exact, rows), positions
+
+
+def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """[n, S] bool -> [n, S] of dtype: 0 where visible, -inf elsewhere: the very tensor torch's SDPA
+    makes of a bool mask on every call (its convert_boolean_attn_mask, in the query's dtype), made
+    once per step instead of once per layer."""
+    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool | int) -> torch.Tensor:
