@@ -1,7 +1,7 @@
 """The deterministic mode's per-row attention on torch's SDPA (csrc/sdpa_rows.cpp, kv._rows_exact):
 the extension's loop makes the very calls of the Python loop, so its rows are bitwise the Python
-loop's, for chains and trees, grouped heads folded or not, bf16 and float32; a tree's slots are
-put back as they were."""
+loop's, for chains and trees (a row's path written where it differs from the previous row's),
+grouped heads folded or not, bf16 and float32; a tree's slots are put back as they were."""
 
 from __future__ import annotations
 
@@ -34,8 +34,9 @@ def _paths(parents):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("tree", [False, True])
-def test_extension_rows_are_bitwise_the_python_loop(monkeypatch, dtype, fold, tree):
-    heads, kv_heads, d, length = 9, 3, 64, 261
+@pytest.mark.parametrize("kv_heads", [3, 1])  # one kv head: a tree's slots are a contiguous run (copied, not aliased)
+def test_extension_rows_are_bitwise_the_python_loop(monkeypatch, dtype, fold, tree, kv_heads):
+    heads, d, length = 9, 64, 261
     parents = [-1, 0, 0, 1, 3, 2, 0, 6]
     n = len(parents) + 1  # the pending token, then the drafts
     q, pool_k, pool_v = _case(dtype, heads, kv_heads, d, length, n, seed=7 + fold + 2 * tree)
