@@ -258,3 +258,33 @@ def test_a_norm_without_a_weight_is_left_whole():
     rowexact.install(model)
     assert not hasattr(model.model.norm, "_specmesh_rows") and "forward" not in vars(model.model.norm)
     assert any(k.startswith("LlamaRMSNorm") for k in rowexact.probed(model))
+
+
+def test_a_prepacked_head_is_probed_on_past_its_limit_only_where_the_mode_is_cheap(monkeypatch):
+    """_extend_head: a prepacked LM head that held to PROBE_HEAD_ROWS is probed on to
+    PROBE_PACKED_ROWS (and takes what that finds, smaller too) where the deterministic mode is
+    cheap; not where the head is not prepacked, fell short, or the decoder makes the mode costly."""
+    from specmesh.engine import onednn
+
+    model = _tiny()
+    head_w = model.get_output_embeddings().weight
+    limit, extended = rowexact.PROBE_HEAD_ROWS, rowexact.PROBE_PACKED_ROWS
+    for packed, head, decoder, found, expect in ((True, limit, 64, extended, extended),
+                                                  (True, limit, 64, 16, 16),
+                                                  (False, limit, 64, extended, limit),
+                                                  (True, 16, 64, extended, 16),
+                                                  (True, limit, 2, extended, limit)):
+        asked = []
+
+        def fake(weight, bias, max_rows, *a, floor=1, head=head, decoder=decoder, found=found, **k):
+            if weight is not head_w:
+                return decoder
+            asked.append(max_rows)
+            return found if max_rows == extended else head
+
+        monkeypatch.setattr(rowexact, "probe_rows", fake)
+        monkeypatch.setattr(onednn, "is_packed", lambda mod, packed=packed: packed)
+        model._specmesh_row_exact = False
+        rowexact.install(model)
+        assert model._specmesh_head_rows == expect, (packed, head, decoder, found)
+        assert (extended in asked) == (packed and head >= limit and decoder >= rowexact.CHEAP_ROWS)
