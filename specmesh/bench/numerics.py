@@ -125,7 +125,7 @@ def main(argv=None) -> int:
     from specmesh.engine import row_attn
 
     # bf16 rows on the row kernel as the worker allows it (TargetEngine): mode 2, or batched steps
-    row_attn.enable_bf16(model, args.row_floor == 2 if args.batch_invariant else not args.no_cpu_kernel and "auto")
+    row_attn.enable_bf16(model, args.row_floor == 2 if args.batch_invariant else ("auto" if not args.no_cpu_kernel else False))
     if args.batch_invariant:
         from specmesh.engine import rowexact
 

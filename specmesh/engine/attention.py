@@ -121,6 +121,15 @@ def fold_ok(device, dtype, heads: int, kv_heads: int, d: int, scale) -> bool:
         return _FOLD[key]
 
 
+def step_mask(new: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tensor:
+    """new: [n, n] bool (which new rows each new row sees) past `length` cached slots -> the SDPA
+    mask [n, L + n] of dtype: 0 where visible, -inf elsewhere: the very tensor torch's SDPA makes
+    of a bool mask on every call (its convert_boolean_attn_mask, in the query's dtype), made once
+    per step instead of once per layer."""
+    visible = torch.cat([torch.ones(new.shape[0], length, dtype=torch.bool, device=new.device), new], 1)
+    return torch.zeros(visible.shape, dtype=dtype, device=new.device).masked_fill_(~visible, float("-inf"))
+
+
 def sdpa(q, k, v, mask, causal: bool, scale):
     """q: [1, H, n, D]; k, v: [1, KV, S, D] (pool views, in place); mask: [n, S] bool or None ->
     [1, H, n, D]. A maskless one-token row takes the folded call where fold_ok; the rest HF's."""

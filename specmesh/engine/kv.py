@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from specmesh.engine import cpu_gemm, lean, onednn, quant, row_attn, rowexact, rownorm
-from specmesh.engine.attention import fold_ok, sdpa
+from specmesh.engine.attention import fold_ok, sdpa, step_mask
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
 ATTN_NAME = "specmesh_pool"
@@ -193,18 +193,10 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool) -> tupl
             s.causal = True
         elif n > 1:
             new = tree.to(kv.device) if tree is not None else torch.ones(n, n, dtype=torch.bool, device=kv.device).tril()
-            s.mask = _additive(torch.cat([torch.ones(n, length, dtype=torch.bool, device=kv.device), new], 1),
-                               kv.pool.dtype)
+            s.mask = step_mask(new, length, kv.pool.dtype)
         seqs.append(s)
         offset += n
     return _Plan(seqs, row_exact, rows), positions
-
-
-def _additive(visible: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """[n, S] bool -> [n, S] of dtype: 0 where visible, -inf elsewhere: the very tensor torch's SDPA
-    makes of a bool mask on every call (its convert_boolean_attn_mask, in the query's dtype), made
-    once per step instead of once per layer."""
-    return torch.zeros(visible.shape, dtype=dtype, device=visible.device).masked_fill_(~visible, float("-inf"))
 
 
 def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool | int) -> torch.Tensor:

@@ -25,7 +25,7 @@ sequence with nothing cached), so the target alone at concurrency 1 stays HF's S
 output HF `generate`'s; nor a sequence of more than BF16_MAX_ROWS rows, where one SDPA call over
 them is cheaper; and under target_worker.cpu_kernel auto only where a start-up timing probe finds
 it faster than those SDPA calls (bf16_gain: on an AMX Xeon SDPA's AMX GEMMs serve a sequence's rows
-at once, and the kernel ran at 0.79x their speed). The deterministic mode on HF's kernels
+at once, and the kernel ran at 0.74-0.79x their speed). The deterministic mode on HF's kernels
 (rows(1)) never takes it.
 """
 
@@ -86,34 +86,35 @@ PROBE_SEQS, PROBE_ROWS = 4, 5  # ... its sequences, and new rows each (a 4-draft
 
 def bf16_gain(model: torch.nn.Module) -> float:
     """Time of one layer's attention for PROBE_SEQS sequences of PROBE_ROWS chain rows over
-    PROBE_SLOTS cached slots each, as a batched bf16 step runs it without the kernel (kv.py: one
-    SDPA call per sequence, its causal mask) / with it (one call); fastest of a few each, at the
-    model's heads. > 1: the kernel is faster. On a Zen 4 EPYC HF's bf16 SDPA is slow and the
-    kernel wins; on an AMX Xeon SDPA's AMX GEMMs serve several rows at once and it loses."""
-    from specmesh.engine.attention import sdpa
+    PROBE_SLOTS cached slots each, in a one-layer bf16 pool of the model's heads, as a batched step
+    runs it without the kernel (kv.py: one SDPA call per sequence over its pool view, its step
+    mask) / with it (plan and attend, one call); fastest of a few each. > 1: the kernel is faster.
+    On a Zen 4 EPYC HF's bf16 SDPA is slow and the kernel wins; on an AMX Xeon SDPA's AMX GEMMs
+    serve several rows at once and it loses."""
+    from specmesh.engine.attention import sdpa, step_mask
+    from specmesh.engine.pool import KVPool, model_kv_shape
     from specmesh.engine.rowprobe import best_s
 
-    cfg = model.config.get_text_config()
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    n, length, seqs = PROBE_ROWS, PROBE_SLOTS, PROBE_SEQS
+    _, kv_heads, d = model_kv_shape(model)
+    heads, n, length, seqs = model.config.get_text_config().num_attention_heads, PROBE_ROWS, PROBE_SLOTS, PROBE_SEQS
     gen = torch.Generator().manual_seed(0)
-    k, v = (torch.randn(kv_heads, seqs * (length + n), d, generator=gen).bfloat16() for _ in range(2))
-    q = torch.randn(seqs * n, heads, d, generator=gen).bfloat16()  # [R, heads, D]
-    qs = q.view(seqs, n, heads, d).transpose(1, 2)  # [B, heads, n, D]
-    mask = torch.cat([torch.ones(n, length, dtype=torch.bool), torch.ones(n, n, dtype=torch.bool).tril()], 1)
-    start = _long([b * (length + n) for b in range(seqs) for _ in range(n)])
-    lengths = _long([length + j + 1 for _ in range(seqs) for j in range(n)])
-    off, extra, scale = torch.zeros(seqs * n + 1, dtype=torch.long), _long([]), d**-0.5
-    ext = cpu_gemm.load()
+    pool = KVPool(1, kv_heads, d, seqs * (length + n), torch.bfloat16)
+    pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
+    pool.v.copy_(torch.randn(pool.v.shape, generator=gen))
+    kvs = [pool.allocate(length + n) for _ in range(seqs)]
+    for kv in kvs:
+        kv.commit(length)
+    plans, _ = plan(kvs, [n] * seqs, [None] * seqs)
+    query = torch.randn(1, heads, seqs * n, d, generator=gen).bfloat16()  # the step's packed rows [1, H, T, D]
+    mask, scale = step_mask(torch.ones(n, n, dtype=torch.bool).tril(), length, torch.bfloat16), d**-0.5
 
     def by_sdpa():
-        for b in range(seqs):
-            at = b * (length + n)
-            sdpa(qs[b : b + 1], k[None, :, at : at + length + n], v[None, :, at : at + length + n], mask, False, scale)
+        for b, kv in enumerate(kvs):
+            sdpa(query[:, :, b * n : (b + 1) * n], kv.keys(0, length + n)[None], kv.values(0, length + n)[None], mask,
+                 False, scale)
 
     with torch.inference_mode():
-        return best_s(by_sdpa) / best_s(lambda: ext.row_attention(q, k, v, start, lengths, off, extra, scale))
+        return best_s(by_sdpa) / best_s(lambda: attend(plans[0], 0, query, scale))
 
 
 def usable(model: torch.nn.Module, kvs, row_exact: int = 0, sizes: list[int] | None = None) -> bool:

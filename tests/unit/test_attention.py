@@ -110,10 +110,9 @@ def test_folded_a_deterministic_verify_is_still_bitwise_the_target_alone(dtype, 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_steps_additive_mask_is_bitwise_the_bool_mask_sdpa_converts_each_call(dtype):
-    """kv._additive makes once per step the mask torch's SDPA makes of a bool mask per call (0
+    """step_mask makes once per step the mask torch's SDPA makes of a bool mask per call (0
     visible, -inf not, in the query's dtype): a chain's and a tree's rows attend bitwise alike."""
     from specmesh.core.tree import tree_layout
-    from specmesh.engine.kv import _additive
 
     gen = torch.Generator().manual_seed(3)
     n, length = 9, 270
@@ -122,7 +121,7 @@ def test_a_steps_additive_mask_is_bitwise_the_bool_mask_sdpa_converts_each_call(
     tree, _ = tree_layout([-1, 0, 0, 1, 1, 2, 4, 6])  # [pending, 8 nodes]: 9 rows
     for new in (torch.ones(n, n, dtype=torch.bool).tril(), tree):
         visible = torch.cat([torch.ones(n, length, dtype=torch.bool), new], 1)
-        add = _additive(visible, dtype)
+        add = attention.step_mask(new, length, dtype)
         assert add.dtype == dtype and torch.equal(add == 0, visible) and bool(torch.isinf(add[~visible]).all())
         assert torch.equal(attention._hf_call(q, k, v, visible, False, 0.125),
                            attention._hf_call(q, k, v, add, False, 0.125))
