@@ -57,8 +57,11 @@ _PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_onednn
 
 
 def available() -> bool:
-    """torch has oneDNN's prepacked linear ops."""
-    return torch.backends.mkldnn.is_available() and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    """torch has oneDNN's prepacked linear ops and this CPU runs their bf16 path (oneDNN refuses to
+    reorder a bf16 weight without avx512bw/vl/dq or avx_ne_convert: a Zen 3 EPYC, say)."""
+    mkldnn = torch.ops.mkldnn
+    return (torch.backends.mkldnn.is_available() and hasattr(mkldnn, "_reorder_linear_weight")
+            and hasattr(mkldnn, "_is_mkldnn_bf16_supported") and bool(mkldnn._is_mkldnn_bf16_supported()))
 
 
 def pack(w: torch.Tensor) -> torch.Tensor:

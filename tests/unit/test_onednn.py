@@ -13,7 +13,7 @@ import torch
 from specmesh.engine import onednn, rowexact
 from specmesh.engine.kv import batched_step
 
-pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch without oneDNN's prepacked linear ops")
+pytestmark = pytest.mark.skipif(not onednn.available(), reason="torch without oneDNN's prepacked bf16 linears on this CPU")
 
 
 def _model(dtype=torch.bfloat16):

@@ -109,7 +109,7 @@ def test_rowexact_probe_is_kept_and_equals_a_fresh_probe(cache, monkeypatch):
         rowexact._kept(lin.weight, lin.bias, 16, lambda x, w, b=None: F.linear(x, w, b), 2, 1)
 
 
-@pytest.mark.skipif(not onednn.available(), reason="torch without oneDNN's prepacked linear ops")
+@pytest.mark.skipif(not onednn.available(), reason="torch without oneDNN's prepacked bf16 linears on this CPU")
 def test_onednn_install_reads_its_equal_rows_back(cache, monkeypatch):
     from transformers import LlamaConfig, LlamaForCausalLM
 
