@@ -82,24 +82,43 @@ def prepare(model: torch.nn.Module) -> bool:
                 a, mlp = layer.self_attn, layer.mlp
                 layer._specmesh_qkv = _stack([a.q_proj, a.k_proj, a.v_proj])
                 layer._specmesh_gate_up = _stack([mlp.gate_proj, mlp.up_proj])
+        model._specmesh_lean_layers = [_Layer(layer) for layer in model.model.layers]
     model._specmesh_lean = ok
     return ok
 
 
-def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
-    """HF's RMSNorm on a float32 x: [T, hidden] (its ops, its order)."""
-    variance = x.pow(2).mean(-1, keepdim=True)
-    return norm.weight * (x * torch.rsqrt(variance + norm.variance_epsilon))
+class _Layer:
+    """One decoder layer's tensors for the forward, looked up once (not ~13 module attribute
+    lookups per layer per step)."""
+
+    __slots__ = ("norm1", "qkv", "o", "norm2", "gate_up", "down", "act", "scale")
+
+    def __init__(self, layer: torch.nn.Module):
+        a, mlp = layer.self_attn, layer.mlp
+        self.norm1 = (layer.input_layernorm.weight, layer.input_layernorm.variance_epsilon)
+        self.qkv = layer._specmesh_qkv  # (packed [P, K, 16], bias or None)
+        self.o = (a.o_proj._specmesh_packed, a.o_proj.bias)
+        self.norm2 = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
+        self.gate_up = layer._specmesh_gate_up
+        self.down = (mlp.down_proj._specmesh_packed, mlp.down_proj.bias)
+        self.act, self.scale = mlp.act_fn, a.scaling
+
+
+def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
+    """HF's RMSNorm on a float32 x: [T, hidden] (its ops, its order); norm: (weight, eps)."""
+    variance = x.pow(2).mean(-1, keepdim=True)  # [T, 1]
+    return norm[0] * (x * torch.rsqrt(variance + norm[1]))
 
 
 def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's apply_rotary_pos_emb for one tensor. x: [T, heads, D]; cos, sin: [T, 1, D]."""
+    """HF's apply_rotary_pos_emb, elementwise, so q's and k's heads go through in one call.
+    x: [T, heads, D]; cos, sin: [T, 1, D]."""
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
-def _linear(x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return cpu_gemm.load().linear(x, packed, bias, packed.shape[0] * PANEL)
+def _linear(ext, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    return ext.linear(x, packed, bias, packed.shape[0] * PANEL)
 
 
 @torch.inference_mode()
@@ -119,22 +138,21 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
         keep[0] = x
     cos, sin = inner.rotary_emb(x[None], positions[None])  # [1, T, D] each
     cos, sin = cos[0][:, None], sin[0][:, None]  # [T, 1, D]
-    q_end, k_end = heads * d, (heads + kv_heads) * d
-    for i, layer in enumerate(inner.layers):
-        a, mlp = layer.self_attn, layer.mlp
-        qkv = _linear(_rms(x, layer.input_layernorm), *layer._specmesh_qkv)  # [T, (H + 2 KV) D]
-        q = _rope(qkv[:, :q_end].view(t, heads, d), cos, sin)  # [T, H, D]
-        k = _rope(qkv[:, q_end:k_end].view(t, kv_heads, d), cos, sin)  # [T, KV, D]
+    ext, k_end = cpu_gemm.load(), (heads + kv_heads) * d
+    for i, lay in enumerate(model._specmesh_lean_layers):
+        qkv = _linear(ext, _rms(x, lay.norm1), *lay.qkv)  # [T, (H + 2 KV) D]
+        qk = _rope(qkv[:, :k_end].view(t, heads + kv_heads, d), cos, sin)  # [T, H + KV, D]
+        q, k = qk[:, :heads], qk[:, heads:]  # [T, H, D], [T, KV, D]
         v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, KV, D]
         o = row_attn.step(plans, i, k.transpose(0, 1)[None], v.transpose(0, 1)[None], q.transpose(0, 1)[None],
-                          a.scaling)  # [T, H, D]: every row is on the kernel
-        x = x + _linear(o.reshape(t, heads * d), a.o_proj._specmesh_packed, a.o_proj.bias)
-        gu = _linear(_rms(x, layer.post_attention_layernorm), *layer._specmesh_gate_up)  # [T, 2 I]
+                          lay.scale)  # [T, H, D]: every row is on the kernel
+        x = x + _linear(ext, o.reshape(t, heads * d), *lay.o)
+        gu = _linear(ext, _rms(x, lay.norm2), *lay.gate_up)  # [T, 2 I]
         inter = gu.shape[1] // 2
-        x = x + _linear(mlp.act_fn(gu[:, :inter]) * gu[:, inter:], mlp.down_proj._specmesh_packed, mlp.down_proj.bias)
+        x = x + _linear(ext, lay.act(gu[:, :inter]) * gu[:, inter:], *lay.down)
         if i + 1 in keep and i + 1 < len(inner.layers):
             keep[i + 1] = x
-    final = _rms(x, inner.norm)  # [T, hidden]
+    final = _rms(x, (inner.norm.weight, inner.norm.variance_epsilon))  # [T, hidden]
     if len(inner.layers) in keep:
         keep[len(inner.layers)] = final
     return final

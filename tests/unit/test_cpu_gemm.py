@@ -29,11 +29,11 @@ def test_matches_f_linear_and_every_row_count_is_bitwise_the_one_row_calls(n_out
     gen = torch.Generator().manual_seed(n_out * 7 + n_in)
     w, b = torch.randn(n_out, n_in, generator=gen), torch.randn(n_out, generator=gen)
     wp = ext.pack(w)
-    rows = 27  # AVX2: blocks of 6 and a 3-row tail; AVX-512: blocks of 12 and a 3-row tail
+    rows = 27  # AVX2: ceil(m / 6) row groups of equal size (+-1); AVX-512: blocks of 12 and a 3-row tail
     x = torch.randn(rows, n_in, generator=gen) * torch.exp2(torch.randint(-8, 9, (rows, n_in), generator=gen).float())
     singles = torch.cat([ext.linear(x[i : i + 1], wp, b, n_out) for i in range(rows)])
     assert torch.allclose(singles, F.linear(x, w, b), rtol=1e-4, atol=1e-3 * float(x.abs().max()))
-    for m in range(1, rows + 1):  # AVX2: 1-2 rows use 32-column tiles, 3-6 16-column ones
+    for m in range(1, rows + 1):  # AVX2: groups of 1-2 rows use 32-column tiles, 3-6 16-column ones
         for start in (0, rows - m):
             assert torch.equal(ext.linear(x[start : start + m], wp, b, n_out), singles[start : start + m]), (m, start)
     assert ext.linear(x[:3].view(1, 3, n_in), wp, None, n_out).shape == (1, 3, n_out)

@@ -32,14 +32,31 @@ inline void store(float* y, const float* bias, __m256 a0, __m256 a1, int nc) {
   for (int j = 0; j < nc; ++j) y[j] = bias ? t[j] + bias[j] : t[j];
 }
 
+// Where a step's prefetches go. `near` (the first row group of a panel pair; nullptr for the
+// others): PREFETCH_BYTES ahead in the panel being read, into L1. `far` (steps with more rows than
+// one tile): the next panel pair, into L2, spread over every row group's k steps in proportion
+// (`rate`: lines per step in 16.16 fixed point from global step `s0`), so DRAM keeps streaming
+// while the later row groups re-read this pair from cache.
+struct Prefetch {
+  const float* near;
+  const float* far;
+  int64_t s0, rate;
+  inline void at(const float* panel_k, int64_t k) const {
+    if (near != nullptr) _mm_prefetch(reinterpret_cast<const char*>(panel_k) + PREFETCH_BYTES, _MM_HINT_T0);
+    if (far != nullptr) _mm_prefetch(reinterpret_cast<const char*>(far + (((s0 + k) * rate) >> 16) * 16), _MM_HINT_T1);
+  }
+  Prefetch then(int64_t steps) const { return {near, far, s0 + steps, rate}; }
+};
+
 // MR rows x one 16-column panel.
 template <int MR>
-void tile16(const float* x, int64_t K, const float* panel, const float* bias, float* y, int64_t N, int nc) {
+void tile16(const float* x, int64_t K, const float* panel, const Prefetch& pf, const float* bias, float* y, int64_t N,
+            int nc) {
   __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(panel + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    pf.at(panel + k * 16, k);
     const __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
@@ -54,14 +71,14 @@ void tile16(const float* x, int64_t K, const float* panel, const float* bias, fl
 
 // MR (1 or 2) rows x two panels side by side: 4 * MR chains.
 template <int MR>
-void tile32(const float* x, int64_t K, const float* pa, const float* pb, const float* bias, float* y, int64_t N,
-            int ncb) {
+void tile32(const float* x, int64_t K, const float* pa, const float* pb, const Prefetch& pf, const float* bias,
+            float* y, int64_t N, int ncb) {
   __m256 a0[MR], a1[MR], b0[MR], b1[MR];
 #pragma GCC unroll 2
   for (int i = 0; i < MR; ++i) a0[i] = a1[i] = b0[i] = b1[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
-    _mm_prefetch(reinterpret_cast<const char*>(pa + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-    _mm_prefetch(reinterpret_cast<const char*>(pb + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    pf.at(pa + k * 16, k);
+    if (pf.near != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pb + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(pa + k * 16), w1 = _mm256_loadu_ps(pa + k * 16 + 8);
     const __m256 w2 = _mm256_loadu_ps(pb + k * 16), w3 = _mm256_loadu_ps(pb + k * 16 + 8);
 #pragma GCC unroll 2
@@ -157,28 +174,50 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t p
   }
 }
 #else
-// Rows [0, M) of x against panels p and (when `pair`) p + 1, i.e. columns n0 .. n0 + 31.
+// k steps one row group of `rows` takes over a pair (two 16-column passes, or one 32-column one).
+inline int64_t group_steps(int64_t rows, bool pair, int64_t K) { return (pair && rows > 2) ? 2 * K : K; }
+
+// One row group against the pair: tiles of 3-6 rows per panel, 1-2 rows across both panels.
+void group(const float* xr, int64_t rows, int64_t K, const PanelPair& g, bool pair, const Prefetch& pf, float* yr,
+           int64_t N) {
+  const int64_t n0 = g.n0;
+  auto halves = [&](auto tile) {
+    tile(xr, K, g.pa, pf, g.ba, yr + n0, N, g.nca);
+    if (pair) tile(xr, K, g.pb, pf.then(K), g.bb, yr + n0 + 16, N, g.ncb);
+  };
+  switch (rows) {
+    case 6: halves(tile16<6>); break;
+    case 5: halves(tile16<5>); break;
+    case 4: halves(tile16<4>); break;
+    case 3: halves(tile16<3>); break;
+    case 2: if (pair) tile32<2>(xr, K, g.pa, g.pb, pf, g.ba, yr + n0, N, g.ncb); else halves(tile16<2>); break;
+    case 1: if (pair) tile32<1>(xr, K, g.pa, g.pb, pf, g.ba, yr + n0, N, g.ncb); else halves(tile16<1>); break;
+    default: break;
+  }
+}
+
+// Rows [0, M) of x against panels p and (when `pair`) p + 1, i.e. columns n0 .. n0 + 31, in
+// ceil(M / 6) row groups of as equal a size as can be (9 rows: 5 + 4, not 6 + 3; never a lone row,
+// whose 4 FMA chains wait on the FMA latency). The first group reads the pair from DRAM (near
+// prefetch); with more than one group, every group also prefetches its share of the next pair, so
+// the later groups' passes over this pair (from cache) overlap the DRAM stream instead of idling it.
+// Measured on a 2-core Zen 3 EPYC, 40 weights of 576 x 1536 streamed from DRAM, one thread, us per
+// call before -> after: 9 rows 263 -> 225, 12 rows 297 -> 247, 17 rows 382 -> 349 (bitwise the same).
 void panel_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t p, bool pair, const float* bias,
                 float* y, int64_t N) {
   const PanelPair g(wp, p, pair, K, N, bias);
-  const int64_t n0 = g.n0;
-  const float *pa = g.pa, *pb = g.pb, *ba = g.ba, *bb = g.bb;
-  const int nca = g.nca, ncb = g.ncb;
-  auto halves = [&](auto tile, const float* xr, float* yr) {
-    tile(xr, K, pa, ba, yr + n0, N, nca);
-    if (pair) tile(xr, K, pb, bb, yr + n0 + 16, N, ncb);
-  };
-  int64_t m = 0;
-  for (; m + 6 <= M; m += 6) halves(tile16<6>, x + m * K, y + m * N);
-  const float* xr = x + m * K;
-  float* yr = y + m * N;
-  switch (M - m) {
-    case 5: halves(tile16<5>, xr, yr); break;
-    case 4: halves(tile16<4>, xr, yr); break;
-    case 3: halves(tile16<3>, xr, yr); break;
-    case 2: if (pair) tile32<2>(xr, K, pa, pb, ba, yr + n0, N, ncb); else halves(tile16<2>, xr, yr); break;
-    case 1: if (pair) tile32<1>(xr, K, pa, pb, ba, yr + n0, N, ncb); else halves(tile16<1>, xr, yr); break;
-    default: break;
+  const int64_t groups = (M + 5) / 6;
+  auto rows_of = [&](int64_t i) { return M / groups + (i < M % groups ? 1 : 0); };
+  int64_t total = 0;
+  for (int64_t i = 0; i < groups; ++i) total += group_steps(rows_of(i), pair, K);
+  const int64_t lines = 2 * K;  // the next pair's 64-byte lines (past the end of the weight: never faults)
+  const float* far = groups > 1 ? g.pa + 2 * K * 16 : nullptr;
+  const int64_t rate = (lines << 16) / total;
+  for (int64_t i = 0, m = 0, s = 0; i < groups; ++i) {
+    const int64_t rows = rows_of(i);
+    group(x + m * K, rows, K, g, pair, Prefetch{i == 0 ? g.pa : nullptr, far, s, rate}, y + m * N, N);
+    m += rows;
+    s += group_steps(rows, pair, K);
   }
 }
 

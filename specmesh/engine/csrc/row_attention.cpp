@@ -18,6 +18,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <vector>
 
@@ -61,24 +62,51 @@ struct Slots {  // the slots one row sees, in order
   int64_t operator[](int64_t j) const { return j < len ? start + j : extra[j - len]; }
 };
 
+// One dot product's lanes: two FMA chains over d (d mod 16 < 8, >= 8), added lane-wise.
+template <typename T>
+inline __m256 dot_lanes(const float* q, const T* kr, int64_t D) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), load8(kr + d), a0);
+    a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(kr + d + 8), a1);
+  }
+  return _mm256_add_ps(a0, a1);
+}
+
+// hsum of eight vectors at once, lane i = hsum(r[i]) bitwise: the same additions in the same
+// pairing ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), eight dot products per shuffle.
+inline __m256 hsum8(const __m256* r) {
+  __m256 s[4];  // [s(r_i) | s(r_i+4)], s_k = v_k + v_k+4
+  for (int i = 0; i < 4; ++i)
+    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(r[i], r[i + 4], 0x20), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
+  // t_0 = s_0 + s_2, t_1 = s_1 + s_3 of rows (0, 1 | 4, 5) and (2, 3 | 6, 7)
+  const __m256 t01 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
+  const __m256 t23 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
+                                   _mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
+  return _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
+                       _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
 // Scores of G query heads (q: [G, D]) against every slot of one kv head (k: [S, D]), times scale,
-// into s[g * stride + j]. Two accumulators per dot product, summed then reduced in a fixed order.
+// into s[g * stride + j]: each one dot_lanes reduced by hsum, eight slots per reduction.
 template <typename T>
 void scores(const float* q, int64_t G, int64_t D, const T* k, const Slots& sl, float scale, float* s,
             int64_t stride) {
   const int64_t n = sl.count();
-  for (int64_t j = 0; j < n; ++j) {
-    const T* kr = k + sl[j] * D;
+  const __m256 sv = _mm256_set1_ps(scale);
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const T* kr[8];
+    for (int i = 0; i < 8; ++i) kr[i] = k + sl[j + i] * D;
     for (int64_t g = 0; g < G; ++g) {
-      const float* qg = q + g * D;
-      __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d), load8(kr + d), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(qg + d + 8), load8(kr + d + 8), a1);
-      }
-      s[g * stride + j] = hsum(_mm256_add_ps(a0, a1)) * scale;
+      __m256 r[8];
+      for (int i = 0; i < 8; ++i) r[i] = dot_lanes(q + g * D, kr[i], D);
+      _mm256_storeu_ps(s + g * stride + j, _mm256_mul_ps(hsum8(r), sv));
     }
   }
+  for (; j < n; ++j)
+    for (int64_t g = 0; g < G; ++g) s[g * stride + j] = hsum(dot_lanes(q + g * D, k + sl[j] * D, D)) * scale;
 }
 
 // In place: s[0 .. n) -> exp(s - max s), lanes past n set to 0 (s holds a multiple of 8 floats);
@@ -98,25 +126,46 @@ float softmax_weights(float* s, int64_t n) {
   return hsum(sum);
 }
 
-// o[0 .. D) = sum_j p[j] v[slot j] / total, 32 columns at a time (four FMA chains in slot order).
-template <typename T>
-void weighted_values(const float* p, float total, int64_t D, const T* v, const Slots& sl, float* o) {
+// o_g[0 .. D) = sum_j p_g[j] v[slot j] / total_g for GN query heads at once (p_g = p + g * stride,
+// o_g = o + g * D): one pass over the values per 16 columns, each column of each head one FMA chain
+// in slot order from 0.
+template <int GN, typename T>
+void weighted_values(const float* p, int64_t stride, const float* total, int64_t D, const T* v, const Slots& sl,
+                     float* o) {
   const int64_t n = sl.count();
-  const __m256 inv = _mm256_set1_ps(1.0f / total);
-  for (int64_t d = 0; d < D; d += 32) {
-    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+  for (int64_t d = 0; d < D; d += 16) {
+    __m256 a[GN][2];
+    for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
       const T* vr = v + sl[j] * D + d;
-      const __m256 w = _mm256_set1_ps(p[j]);
-      a0 = _mm256_fmadd_ps(w, load8(vr), a0);
-      a1 = _mm256_fmadd_ps(w, load8(vr + 8), a1);
-      a2 = _mm256_fmadd_ps(w, load8(vr + 16), a2);
-      a3 = _mm256_fmadd_ps(w, load8(vr + 24), a3);
+      const __m256 x0 = load8(vr), x1 = load8(vr + 8);
+      for (int g = 0; g < GN; ++g) {
+        const __m256 w = _mm256_set1_ps(p[g * stride + j]);
+        a[g][0] = _mm256_fmadd_ps(w, x0, a[g][0]);
+        a[g][1] = _mm256_fmadd_ps(w, x1, a[g][1]);
+      }
     }
-    _mm256_storeu_ps(o + d, _mm256_mul_ps(a0, inv));
-    _mm256_storeu_ps(o + d + 8, _mm256_mul_ps(a1, inv));
-    _mm256_storeu_ps(o + d + 16, _mm256_mul_ps(a2, inv));
-    _mm256_storeu_ps(o + d + 24, _mm256_mul_ps(a3, inv));
+    for (int g = 0; g < GN; ++g) {
+      const __m256 inv = _mm256_set1_ps(1.0f / total[g]);
+      _mm256_storeu_ps(o + g * D + d, _mm256_mul_ps(a[g][0], inv));
+      _mm256_storeu_ps(o + g * D + d + 8, _mm256_mul_ps(a[g][1], inv));
+    }
+  }
+}
+
+// All G query heads of one kv head, up to four per pass over the values.
+template <typename T>
+void all_values(const float* p, int64_t stride, const float* total, int64_t G, int64_t D, const T* v, const Slots& sl,
+                float* o) {
+  for (int64_t g = 0; g < G; g += 4) {
+    const float *pg = p + g * stride, *tg = total + g;
+    float* og = o + g * D;
+    switch (std::min<int64_t>(4, G - g)) {
+      case 4: weighted_values<4>(pg, stride, tg, D, v, sl, og); break;
+      case 3: weighted_values<3>(pg, stride, tg, D, v, sl, og); break;
+      case 2: weighted_values<2>(pg, stride, tg, D, v, sl, og); break;
+      default: weighted_values<1>(pg, stride, tg, D, v, sl, og); break;
+    }
   }
 }
 
@@ -132,17 +181,15 @@ struct RowArgs {  // one step's rows: float32 queries and output, slot lists, sh
 template <typename T>
 void attend_rows(const RowArgs& a, const T* kp, const T* vp, int64_t T_rows) {
   at::parallel_for(0, T_rows * a.KV, 1, [&](int64_t i0, int64_t i1) {
-    std::vector<float> s;
+    std::vector<float> s, total(a.G);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / a.KV, h = i % a.KV;
       const Slots sl{a.start[t], a.len[t], a.extra ? a.extra + a.off[t] : nullptr, a.off[t + 1] - a.off[t]};
       const int64_t n = sl.count(), stride = (n + 7) / 8 * 8;
       s.assign(a.G * stride, 0.0f);
       scores(a.q + (t * a.H + h * a.G) * a.D, a.G, a.D, kp + h * a.ks, sl, a.scale, s.data(), stride);
-      for (int64_t g = 0; g < a.G; ++g) {
-        const float total = softmax_weights(s.data() + g * stride, n);
-        weighted_values(s.data() + g * stride, total, a.D, vp + h * a.vs, sl, a.o + (t * a.H + h * a.G + g) * a.D);
-      }
+      for (int64_t g = 0; g < a.G; ++g) total[g] = softmax_weights(s.data() + g * stride, n);
+      all_values(s.data(), stride, total.data(), a.G, a.D, vp + h * a.vs, sl, a.o + (t * a.H + h * a.G) * a.D);
     }
   });
 }
