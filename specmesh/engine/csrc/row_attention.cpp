@@ -127,44 +127,49 @@ float softmax_weights(float* s, int64_t n) {
 }
 
 // o_g[0 .. D) = sum_j p_g[j] v[slot j] / total_g for GN query heads at once (p_g = p + g * stride,
-// o_g = o + g * D): one pass over the values per 16 columns, each column of each head one FMA chain
-// in slot order from 0.
-template <int GN, typename T>
+// o_g = o + g * D): one pass over the values per CW columns (GN x CW / 8 accumulators, at most 12,
+// so that they, the GN weights and a value vector fit the 16 registers), each column of each head
+// one FMA chain in slot order from 0. Each pass prefetches the value rows 8 slots ahead.
+template <int GN, int CW, typename T>
 void weighted_values(const float* p, int64_t stride, const float* total, int64_t D, const T* v, const Slots& sl,
                      float* o) {
+  constexpr int NV = CW / 8;
   const int64_t n = sl.count();
-  for (int64_t d = 0; d < D; d += 16) {
-    __m256 a[GN][2];
-    for (int g = 0; g < GN; ++g) a[g][0] = a[g][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += CW) {
+    __m256 a[GN][NV];
+    for (int g = 0; g < GN; ++g)
+      for (int c = 0; c < NV; ++c) a[g][c] = _mm256_setzero_ps();
     for (int64_t j = 0; j < n; ++j) {
+      if (j + 8 < n) _mm_prefetch(reinterpret_cast<const char*>(v + sl[j + 8] * D + d), _MM_HINT_T0);
       const T* vr = v + sl[j] * D + d;
-      const __m256 x0 = load8(vr), x1 = load8(vr + 8);
-      for (int g = 0; g < GN; ++g) {
-        const __m256 w = _mm256_set1_ps(p[g * stride + j]);
-        a[g][0] = _mm256_fmadd_ps(w, x0, a[g][0]);
-        a[g][1] = _mm256_fmadd_ps(w, x1, a[g][1]);
+      __m256 w[GN];
+      for (int g = 0; g < GN; ++g) w[g] = _mm256_set1_ps(p[g * stride + j]);
+      for (int c = 0; c < NV; ++c) {
+        const __m256 x = load8(vr + 8 * c);
+        for (int g = 0; g < GN; ++g) a[g][c] = _mm256_fmadd_ps(w[g], x, a[g][c]);
       }
     }
     for (int g = 0; g < GN; ++g) {
       const __m256 inv = _mm256_set1_ps(1.0f / total[g]);
-      _mm256_storeu_ps(o + g * D + d, _mm256_mul_ps(a[g][0], inv));
-      _mm256_storeu_ps(o + g * D + d + 8, _mm256_mul_ps(a[g][1], inv));
+      for (int c = 0; c < NV; ++c) _mm256_storeu_ps(o + g * D + d + 8 * c, _mm256_mul_ps(a[g][c], inv));
     }
   }
 }
 
-// All G query heads of one kv head, up to four per pass over the values.
+// All G query heads of one kv head: three at a time over 32 columns (four over 16 where G is a
+// multiple of 4), the rest alike.
 template <typename T>
 void all_values(const float* p, int64_t stride, const float* total, int64_t G, int64_t D, const T* v, const Slots& sl,
                 float* o) {
-  for (int64_t g = 0; g < G; g += 4) {
+  const int64_t step = G % 4 == 0 ? 4 : 3;
+  for (int64_t g = 0; g < G; g += step) {
     const float *pg = p + g * stride, *tg = total + g;
     float* og = o + g * D;
-    switch (std::min<int64_t>(4, G - g)) {
-      case 4: weighted_values<4>(pg, stride, tg, D, v, sl, og); break;
-      case 3: weighted_values<3>(pg, stride, tg, D, v, sl, og); break;
-      case 2: weighted_values<2>(pg, stride, tg, D, v, sl, og); break;
-      default: weighted_values<1>(pg, stride, tg, D, v, sl, og); break;
+    switch (std::min<int64_t>(step, G - g)) {
+      case 4: weighted_values<4, 16>(pg, stride, tg, D, v, sl, og); break;
+      case 3: weighted_values<3, 32>(pg, stride, tg, D, v, sl, og); break;
+      case 2: weighted_values<2, 32>(pg, stride, tg, D, v, sl, og); break;
+      default: weighted_values<1, 32>(pg, stride, tg, D, v, sl, og); break;
     }
   }
 }
