@@ -369,10 +369,10 @@ def bf16_hf_mismatch(ref, got: list[int], tokenizer=None, label: str = "", own_k
 
     from specmesh.engine.loader import cpu_has_native_bf16
 
-    why = ref.explain_mismatch(got, tokenizer, label)
-    if not why or (cpu_has_native_bf16() and not own_kernels):
+    why, native = ref.explain_mismatch(got, tokenizer, label), cpu_has_native_bf16()
+    if not why or (native and not own_kernels):
         return why
-    if own_kernels and not cpu_has_native_bf16():
+    if own_kernels and not native:
         # neither side is the other's arithmetic: HF's bf16 is emulated here, the mesh's own kernels
         # round apart from HF by design (docs/numerics.md); the strict check of `own` is against the
         # mesh's own AR where they speculate. The flip and its gap are printed, not hidden.

@@ -32,17 +32,17 @@ inline void store(float* y, const float* bias, __m256 a0, __m256 a1, int nc) {
   for (int j = 0; j < nc; ++j) y[j] = bias ? t[j] + bias[j] : t[j];
 }
 
-// Where a step's prefetches go. `near` (the first row group of a panel pair; nullptr for the
-// others): PREFETCH_BYTES ahead in the panel being read, into L1. `far` (steps with more rows than
+// Where a step's prefetches go. `near` (the first row group of a panel pair): PREFETCH_BYTES ahead
+// in the panel being read, into L1. `far` (steps with more rows than
 // one tile): the next panel pair, into L2, spread over every row group's k steps in proportion
 // (`rate`: lines per step in 16.16 fixed point from global step `s0`), so DRAM keeps streaming
 // while the later row groups re-read this pair from cache.
 struct Prefetch {
-  const float* near;
-  const float* far;
+  bool near;
+  const float* far;  // nullptr: none
   int64_t s0, rate;
   inline void at(const float* panel_k, int64_t k) const {
-    if (near != nullptr) _mm_prefetch(reinterpret_cast<const char*>(panel_k) + PREFETCH_BYTES, _MM_HINT_T0);
+    if (near) _mm_prefetch(reinterpret_cast<const char*>(panel_k) + PREFETCH_BYTES, _MM_HINT_T0);
     if (far != nullptr) _mm_prefetch(reinterpret_cast<const char*>(far + (((s0 + k) * rate) >> 16) * 16), _MM_HINT_T1);
   }
   Prefetch then(int64_t steps) const { return {near, far, s0 + steps, rate}; }
@@ -78,7 +78,7 @@ void tile32(const float* x, int64_t K, const float* pa, const float* pb, const P
   for (int i = 0; i < MR; ++i) a0[i] = a1[i] = b0[i] = b1[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     pf.at(pa + k * 16, k);
-    if (pf.near != nullptr) _mm_prefetch(reinterpret_cast<const char*>(pb + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
+    if (pf.near) _mm_prefetch(reinterpret_cast<const char*>(pb + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
     const __m256 w0 = _mm256_loadu_ps(pa + k * 16), w1 = _mm256_loadu_ps(pa + k * 16 + 8);
     const __m256 w2 = _mm256_loadu_ps(pb + k * 16), w3 = _mm256_loadu_ps(pb + k * 16 + 8);
 #pragma GCC unroll 2
@@ -215,7 +215,7 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t p
   const int64_t rate = (lines << 16) / total;
   for (int64_t i = 0, m = 0, s = 0; i < groups; ++i) {
     const int64_t rows = rows_of(i);
-    group(x + m * K, rows, K, g, pair, Prefetch{i == 0 ? g.pa : nullptr, far, s, rate}, y + m * N, N);
+    group(x + m * K, rows, K, g, pair, Prefetch{i == 0, far, s, rate}, y + m * N, N);
     m += rows;
     s += group_steps(rows, pair, K);
   }
