@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, lean, onednn, quant, row_attn, rowexact, rownorm
+from specmesh.engine import cpu_gemm, lean, lean_hf, onednn, quant, row_attn, rowexact, rownorm
 from specmesh.engine.attention import fold_ok, sdpa, step_mask
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
@@ -123,7 +123,13 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
 
         return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                       dropout=dropout, **kwargs)
-    layer = module.layer_idx
+    return _attend(module.layer_idx, query, key, value, scaling), None
+
+
+def _attend(layer: int, query, key, value, scaling) -> torch.Tensor:
+    """The step's attention for one layer (pool_attention's; lean_hf.forward's `attend`):
+    query [1, heads, T, D], key/value [1, kv_heads, T, D] -> [1, T, heads, D]."""
+    plan = _PLAN.get()
     heads, d = query.shape[1], query.shape[3]
     out = None  # [T, heads, D]
     if plan.rows is not None:  # every new slot written at once; the kernel's rows in one call per pool
@@ -142,7 +148,7 @@ def pool_attention(module, query, key, value, attention_mask, scaling=None, drop
             continue
         o = sdpa(query[:, :, a : a + n], k, v, s.mask, s.causal, scaling)  # [1, heads, n, D]
         out[a : a + n] = o[0].transpose(0, 1)
-    return out.unsqueeze(0), None
+    return out.unsqueeze(0)
 
 
 def pool_mask(*args, **kwargs):
@@ -271,6 +277,9 @@ def batched_step(
             if _lean_ok(model, plan, ids.shape[1], row_exact):
                 states = dict.fromkeys(hidden_layers)  # index -> [T, H], filled by the forward
                 final = lean.forward(model, ids[0], pos[0], plan.rows, states)  # [T, H]
+            elif lean_hf.prepare(model):  # HF's modules' arithmetic without the modules
+                states = dict.fromkeys(hidden_layers)
+                final = lean_hf.forward(model, ids[0], pos[0], _attend, states)  # [T, H]
             else:
                 out = model.model(input_ids=ids, position_ids=pos, use_cache=False,
                                   output_hidden_states=bool(hidden_layers))

@@ -1,0 +1,152 @@
+"""A lean decoder forward for Llama-shaped models off the packed CPU kernel (bf16, or any dtype on
+any device): HF's modules' ops, in HF's order, on the step's own linears and attention, without
+walking the module tree.
+
+HF's decoder layer, run through the engine, spends more of a small model's step in Python than
+in the arithmetic outside its linears: module calls, keyword plumbing, the attention-interface
+lookup, views and transposes. Measured on a 2-core Intel Xeon with AMX, bf16, one thread, SmolLM2-
+135M, a one-token step of 43.5 ms: its 211 prepacked linears 26 ms, every other op 8 ms, and ~9.5 ms
+outside any op. lean.py removes that for float32 on the packed kernel; this does it for the other
+models, where the linears are the routed ones (rowexact.linear_forward: oneDNN's prepacked call, the
+deterministic chunks, HF's F.linear) and attention is the pool's (kv.pool_attention).
+
+Bitwise HF's modules (tests/unit/test_lean_hf.py compares logits and hidden states of every step
+kind in both modes): each linear is the very function the routed module runs, on the same [T, in]
+rows; the norms, RoPE, SiLU, products and residual adds are HF's ops in HF's order and dtypes
+(elementwise ops give every element the same value whatever the layout, and RoPE's q and k heads
+go through one call for that reason); attention is the same pool_attention call.
+
+Where it applies (`usable`): Llama, Qwen2 and Mistral layers (pre-norm RMSNorm, q/k/v/o and
+gate/up/down projections, SiLU, no q/k norms), not on the packed kernel (lean.py's), no draft int8
+copies (quant.py: a module the step routes elsewhere), and only inside batched_step.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from specmesh.engine import onednn
+from specmesh.engine.rowprobe import _ACTIVE
+from specmesh.engine.rowexact import linear_forward
+
+ARCHITECTURES = ("llama", "qwen2", "mistral")
+NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # the forward _rms repeats
+
+
+def _shaped(model: torch.nn.Module) -> bool:
+    cfg = model.config
+    if getattr(cfg, "model_type", None) not in ARCHITECTURES or getattr(cfg, "hidden_act", None) != "silu":
+        return False
+    if getattr(model, "_specmesh_cpu_gemm", False):  # lean.py's forward, or HF's where that does not fit
+        return False
+    inner = getattr(model, "model", None)
+    if inner is None or not all(hasattr(inner, n) for n in ("embed_tokens", "rotary_emb", "layers", "norm")):
+        return False
+    if type(inner.norm).__name__ not in NORMS:
+        return False
+    for layer in inner.layers:
+        a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
+        if a is None or mlp is None or hasattr(a, "q_norm") or hasattr(a, "k_norm"):
+            return False
+        if any(type(getattr(layer, n, None)).__name__ not in NORMS for n in ("input_layernorm", "post_attention_layernorm")):
+            return False
+        projs = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
+        projs += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
+        if any(not isinstance(p, torch.nn.Linear) or not getattr(p, "_specmesh_routed", False)
+               or getattr(p, "_specmesh_int8", None) is not None for p in projs):
+            return False
+    return True
+
+
+class _Layer:
+    """One decoder layer's modules and tensors, looked up once."""
+
+    __slots__ = ("idx", "norm1", "q", "k", "v", "o", "norm2", "gate", "up", "down", "act", "scale", "qkv", "gate_up")
+
+    def __init__(self, model: torch.nn.Module, layer: torch.nn.Module):
+        a, mlp = layer.self_attn, layer.mlp
+        self.idx = a.layer_idx
+        self.norm1 = layer.input_layernorm
+        self.q, self.k, self.v, self.o = a.q_proj, a.k_proj, a.v_proj, a.o_proj
+        self.norm2 = layer.post_attention_layernorm
+        self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+        self.act, self.scale = mlp.act_fn, a.scaling
+        self.qkv = onednn.stack(model, [self.q, self.k, self.v])  # one prepacked call each, where bitwise
+        self.gate_up = onednn.stack(model, [self.gate, self.up])
+
+
+def prepare(model: torch.nn.Module) -> bool:
+    """Look each layer up once per model. True when the lean forward applies."""
+    done = getattr(model, "_specmesh_lean_hf", None)
+    if done is None:
+        done = _shaped(model)
+        if done:
+            model._specmesh_lean_hf_layers = [_Layer(model, layer) for layer in model.model.layers]
+        model._specmesh_lean_hf = done
+    return done
+
+
+def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
+    """HF's RMSNorm (its ops, its order, its dtypes); x: [T, hidden] in the model's dtype. A norm
+    that deterministic steps run in chunks (rownorm.norm_forward: probed short of its limit, a
+    GPU's) takes its routed forward."""
+    if getattr(norm, "_specmesh_routed", False):
+        return norm.forward(x)
+    h = x.to(torch.float32)
+    variance = h.pow(2).mean(-1, keepdim=True)  # [T, 1]
+    return norm.weight * (h * torch.rsqrt(variance + norm.variance_epsilon)).to(x.dtype)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """HF's apply_rotary_pos_emb, elementwise: x [T, heads, D]; cos, sin: [T, 1, D]."""
+    half = x.shape[-1] // 2
+    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
+
+
+def _linears(st: onednn.Stack | None, mods: tuple, x: torch.Tensor) -> list[torch.Tensor]:
+    """The members' outputs on x [T, in]: column slices of one stacked call where the step would run
+    every member from its prepacked weight alike, else each member's own routed call."""
+    out = None
+    if st is not None:
+        if not _ACTIVE.get():
+            out = onednn.packed(st, x)  # None past equal_rows in a step with a prefill (members: F.linear)
+        elif st.same_chunks():
+            out = linear_forward(st, x)  # the deterministic chunks every member would run
+    if out is None:
+        return [linear_forward(m, x) for m in mods]
+    return [out[:, lo:hi] for lo, hi in st.cols]
+
+
+@torch.inference_mode()
+def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend,
+            hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+    """ids, positions: [T] long; attend(layer_idx, q [1, H, T, D], k, v [1, KV, T, D], scale) ->
+    [1, T, H, D] (kv.pool_attention's) -> the final normed hidden states [T, hidden] in the model's
+    dtype. hidden: as lean.forward's (HF's output_hidden_states indices)."""
+    inner, cfg = model.model, model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    t = ids.shape[0]
+    x = inner.embed_tokens(ids)  # [T, hidden]
+    keep = hidden if hidden is not None else {}
+    if 0 in keep:
+        keep[0] = x
+    cos, sin = inner.rotary_emb(x[None], positions[None])  # [1, T, D] each, the model's dtype
+    cos, sin = cos[0][:, None], sin[0][:, None]  # [T, 1, D]
+    for i, lay in enumerate(model._specmesh_lean_hf_layers):
+        h = _rms(x, lay.norm1)  # [T, hidden]
+        q, k, v = _linears(lay.qkv, (lay.q, lay.k, lay.v), h)  # [T, H D], [T, KV D] x 2
+        q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+        qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # [T, H + KV, D]
+        o = attend(lay.idx, qk[:, :heads].transpose(0, 1)[None], qk[:, heads:].transpose(0, 1)[None],
+                   v.transpose(0, 1)[None], lay.scale)  # [1, T, H, D]
+        x = x + linear_forward(lay.o, o.reshape(t, heads * d))
+        h = _rms(x, lay.norm2)
+        gate, up = _linears(lay.gate_up, (lay.gate, lay.up), h)  # [T, I] each
+        x = x + linear_forward(lay.down, lay.act(gate) * up)
+        if i + 1 in keep and i + 1 < len(inner.layers):
+            keep[i + 1] = x
+    final = _rms(x, inner.norm)  # [T, hidden]
+    if len(inner.layers) in keep:
+        keep[len(inner.layers)] = final
+    return final
