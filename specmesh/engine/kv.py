@@ -43,6 +43,7 @@ from specmesh.engine.attention import fold_ok, sdpa, step_mask
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
 ATTN_NAME = "specmesh_pool"
+NATIVE = True  # a step's SDPA sequences in one C++ call per layer (native_geometry), where it applies
 _NO_PATH = torch.empty(0, dtype=torch.long)
 
 
@@ -68,6 +69,7 @@ class _Plan:
     seqs: list[_Seq]
     row_exact: bool
     rows: list[row_attn.RowPlan] | None = None  # the kernel's rows per pool, when the step takes it
+    native: tuple | None = None  # (pool, geo, masks, paths, offs) for csrc's pool_attend (native_geometry)
 
 
 _PLAN: contextvars.ContextVar[_Plan | None] = contextvars.ContextVar("specmesh_pool_plan", default=None)
@@ -131,6 +133,11 @@ def _attend(layer: int, query, key, value, scaling) -> torch.Tensor:
     query [1, heads, T, D], key/value [1, kv_heads, T, D] -> [1, T, heads, D]."""
     plan = _PLAN.get()
     heads, d = query.shape[1], query.shape[3]
+    if plan.native is not None:  # every sequence on torch's SDPA, in one C++ call (the loop below)
+        pool, geo, masks, paths, offs = plan.native
+        fold = heads != key.shape[1] and fold_ok(query.device, query.dtype, heads, key.shape[1], d, scaling)
+        return cpu_gemm.load().pool_attend(query, key, value, pool.k[layer], pool.v[layer], geo, masks, paths, offs,
+                                           scaling, fold)
     out = None  # [T, heads, D]
     if plan.rows is not None:  # every new slot written at once; the kernel's rows in one call per pool
         out = row_attn.step(plan.rows, layer, key, value, query, scaling if scaling is not None else d**-0.5)
@@ -202,7 +209,23 @@ def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool) -> tupl
             s.mask = step_mask(new, length, kv.pool.dtype)
         seqs.append(s)
         offset += n
-    return _Plan(seqs, row_exact, rows), positions
+    return _Plan(seqs, row_exact, rows, native_geometry(seqs, row_exact) if rows is None else None), positions
+
+
+def native_geometry(seqs: list[_Seq], row_exact: bool) -> tuple | None:
+    """pool_attend's arguments for a step whose sequences share one CPU pool and all attend with
+    torch's SDPA (csrc/lean_layer.cpp), or None (another device, several pools, no extension)."""
+    pool = seqs[0].kv.pool
+    if not NATIVE or any(s.kv.pool is not pool for s in seqs) or seqs[0].kv.device.type != "cpu" or cpu_gemm.load() is None:
+        return None
+    geo, masks, paths, offs = [], [], [], []
+    for s in seqs:
+        rows = bool(row_exact) and s.n > 1
+        geo += [s.offset, s.n, s.kv.start, s.kv.length, 2 if rows else 1 if s.causal else 0]
+        masks.append(s.mask)
+        paths.append(s.paths[0] if s.paths is not None else _NO_PATH)
+        offs.append(s.paths[1] if s.paths is not None else _NO_PATH)
+    return pool, geo, masks, paths, offs
 
 
 def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool | int) -> torch.Tensor:

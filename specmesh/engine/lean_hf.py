@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.engine import onednn
+from specmesh.engine import cpu_gemm, onednn
+from specmesh.engine.rowexact import chunking, linear_forward
 from specmesh.engine.rowprobe import _ACTIVE
-from specmesh.engine.rowexact import linear_forward
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
+STACK = True  # q/k/v and gate/up as one prepacked call each (onednn.Stack), where bitwise
+CPP = True  # a layer's ops around attention in two C++ calls (csrc/lean_layer.cpp), where they apply
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # the forward _rms repeats
 
 
@@ -61,7 +63,8 @@ def _shaped(model: torch.nn.Module) -> bool:
 class _Layer:
     """One decoder layer's modules and tensors, looked up once."""
 
-    __slots__ = ("idx", "norm1", "q", "k", "v", "o", "norm2", "gate", "up", "down", "act", "scale", "qkv", "gate_up")
+    __slots__ = ("idx", "norm1", "q", "k", "v", "o", "norm2", "gate", "up", "down", "act", "scale", "qkv", "gate_up",
+                 "silu")
 
     def __init__(self, model: torch.nn.Module, layer: torch.nn.Module):
         a, mlp = layer.self_attn, layer.mlp
@@ -71,8 +74,9 @@ class _Layer:
         self.norm2 = layer.post_attention_layernorm
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.act, self.scale = mlp.act_fn, a.scaling
-        self.qkv = onednn.stack(model, [self.q, self.k, self.v])  # one prepacked call each, where bitwise
-        self.gate_up = onednn.stack(model, [self.gate, self.up])
+        self.silu = isinstance(self.act, torch.nn.SiLU) or type(self.act).__name__ == "SiLUActivation"
+        self.qkv = onednn.stack(model, [self.q, self.k, self.v]) if STACK else None  # one prepacked call each, where bitwise
+        self.gate_up = onednn.stack(model, [self.gate, self.up]) if STACK else None
 
 
 def prepare(model: torch.nn.Module) -> bool:
@@ -117,6 +121,41 @@ def _linears(st: onednn.Stack | None, mods: tuple, x: torch.Tensor) -> list[torc
     return [out[:, lo:hi] for lo, hi in st.cols]
 
 
+def _layer(lay: _Layer, x: torch.Tensor, cos, sin, attend, dims: tuple[int, int, int, int]) -> torch.Tensor:
+    """One decoder layer in Python: x [T, hidden] -> [T, hidden]."""
+    t, heads, kv_heads, d = dims
+    h = _rms(x, lay.norm1)  # [T, hidden]
+    q, k, v = _linears(lay.qkv, (lay.q, lay.k, lay.v), h)  # [T, H D], [T, KV D] x 2
+    q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
+    qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # [T, H + KV, D]
+    o = attend(lay.idx, qk[:, :heads].transpose(0, 1)[None], qk[:, heads:].transpose(0, 1)[None],
+               v.transpose(0, 1)[None], lay.scale)  # [1, T, H, D]
+    x = x + linear_forward(lay.o, o.reshape(t, heads * d))
+    h = _rms(x, lay.norm2)
+    gate, up = _linears(lay.gate_up, (lay.gate, lay.up), h)  # [T, I] each
+    return x + linear_forward(lay.down, lay.act(gate) * up)
+
+
+def _cpp_plan(lay: _Layer, t: int) -> list[tuple[int, int]] | None:
+    """(rows per call, row floor) of the layer's four prepacked calls (q/k/v, o, gate/up, down) as
+    this step would route them (step 0: one call), or None where the C++ halves do not apply: a
+    projection not prepacked or not stacked, a prefill past a weight's equal_rows (F.linear's), a
+    stack whose members a deterministic step would chunk apart, a non-SiLU activation, a routed norm."""
+    kinds = (lay.qkv, lay.o, lay.gate_up, lay.down)
+    if lay.qkv is None or lay.gate_up is None or not lay.silu or not (onednn.is_own(lay.o) and onednn.is_own(lay.down)):
+        return None
+    if getattr(lay.norm1, "_specmesh_routed", False) or getattr(lay.norm2, "_specmesh_routed", False):
+        return None  # a norm a deterministic step runs in chunks (rownorm): Python's _rms routes it
+    active = _ACTIVE.get()
+    if not active:
+        if onednn.in_prefill() and t > min(k._specmesh_onednn_equal for k in kinds):
+            return None
+        return [(0, 1)] * 4
+    if not (lay.qkv.same_chunks() and lay.gate_up.same_chunks()):
+        return None
+    return [chunking(getattr(k, "_specmesh_rows", 0), getattr(k, "_specmesh_rows2", 0), active) for k in kinds]
+
+
 @torch.inference_mode()
 def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend,
             hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -133,17 +172,20 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, 
         keep[0] = x
     cos, sin = inner.rotary_emb(x[None], positions[None])  # [1, T, D] each, the model's dtype
     cos, sin = cos[0][:, None], sin[0][:, None]  # [T, 1, D]
+    ext = cpu_gemm.load() if CPP and x.device.type == "cpu" else None
     for i, lay in enumerate(model._specmesh_lean_hf_layers):
-        h = _rms(x, lay.norm1)  # [T, hidden]
-        q, k, v = _linears(lay.qkv, (lay.q, lay.k, lay.v), h)  # [T, H D], [T, KV D] x 2
-        q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
-        qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # [T, H + KV, D]
-        o = attend(lay.idx, qk[:, :heads].transpose(0, 1)[None], qk[:, heads:].transpose(0, 1)[None],
-                   v.transpose(0, 1)[None], lay.scale)  # [1, T, H, D]
-        x = x + linear_forward(lay.o, o.reshape(t, heads * d))
-        h = _rms(x, lay.norm2)
-        gate, up = _linears(lay.gate_up, (lay.gate, lay.up), h)  # [T, I] each
-        x = x + linear_forward(lay.down, lay.act(gate) * up)
+        plan = _cpp_plan(lay, t) if ext is not None else None
+        if plan is not None:  # the same ops in C++ (csrc/lean_layer.cpp), attention still attend's
+            (s1, f1), (so, fo), (sg, fg), (sd, fd) = plan
+            n1, n2, st1, st2 = lay.norm1, lay.norm2, lay.qkv, lay.gate_up
+            q, k, v = ext.lean_pre(x, n1.weight, n1.variance_epsilon, st1._specmesh_onednn, st1.bias, s1, f1, cos, sin,
+                                   heads, kv_heads, d)
+            o = attend(lay.idx, q, k, v, lay.scale)  # [1, T, H, D]
+            x = ext.lean_post(x, o, lay.o._specmesh_onednn, lay.o.bias, so, fo, n2.weight, n2.variance_epsilon,
+                              st2._specmesh_onednn, st2.bias, sg, fg, lay.gate.out_features, lay.down._specmesh_onednn,
+                              lay.down.bias, sd, fd)
+        else:
+            x = _layer(lay, x, cos, sin, attend, (t, heads, kv_heads, d))
         if i + 1 in keep and i + 1 < len(inner.layers):
             keep[i + 1] = x
     final = _rms(x, inner.norm)  # [T, hidden]

@@ -196,6 +196,16 @@ def is_packed(mod: torch.nn.Module) -> bool:
     return getattr(mod, "_specmesh_onednn", None) is not None or getattr(mod, "_specmesh_onednn_part", None) is not None
 
 
+def is_own(mod: torch.nn.Module) -> bool:
+    """Whether mod runs its own prepacked copy (not a Stack's)."""
+    return getattr(mod, "_specmesh_onednn", None) is not None
+
+
+def in_prefill() -> bool:
+    """Whether the running step holds a prompt's prefill (step())."""
+    return _PREFILL.get()
+
+
 def _call(mod: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor:
     """mod's prepacked call on x2 [M, in] -> [M, out]: its own copy, or a Stack's call and its columns."""
     part = getattr(mod, "_specmesh_onednn_part", None)
@@ -283,7 +293,11 @@ def stack_equal(mods: list[torch.nn.Linear], rows: int = STACK_PROBE_ROWS) -> bo
 
 def stack(model: torch.nn.Module, mods: list[torch.nn.Linear]) -> Stack | None:
     """A Stack of mods (prepacked alone, one input width, biases all or none) where stack_equal
-    holds, kept on the model (packed_bytes); else None and the members stay as they are."""
+    holds, kept on the model (packed_bytes); else None and the members stay as they are. The same
+    members asked again: their Stack."""
+    part = getattr(mods[0], "_specmesh_onednn_part", None)
+    if part is not None and part[0].mods == list(mods):
+        return part[0]
     if not all(getattr(m, "_specmesh_onednn", None) is not None for m in mods) or \
             len({m.in_features for m in mods}) != 1 or len({m.bias is None for m in mods}) != 1:
         return None

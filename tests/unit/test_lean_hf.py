@@ -54,17 +54,20 @@ def _run(model, use_lean: bool, row_exact: bool, every: tuple[int, ...] = ()):
     return got + [kv.keys(1, kv.length + n).clone() for kv, n in zip(kvs, (5, 1, 6))]
 
 
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp", "python"])
 @pytest.mark.parametrize("row_exact", [True, False])
-def test_lean_hf_steps_are_bitwise_the_hf_module_steps(model, row_exact):
+def test_lean_hf_steps_are_bitwise_the_hf_module_steps(model, row_exact, cpp, monkeypatch):
     slow = _run(model, False, row_exact)
-    calls = []
-    real = lean_hf.forward
-    lean_hf.forward = lambda *a: calls.append(1) or real(*a)
-    try:
-        fast = _run(model, True, row_exact)
-    finally:
-        lean_hf.forward = real
+    calls, plans = [], []
+    real, real_plan = lean_hf.forward, lean_hf._cpp_plan
+    monkeypatch.setattr(lean_hf, "forward", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(lean_hf, "_cpp_plan", lambda *a: plans.append(real_plan(*a)) or plans[-1])
+    monkeypatch.setattr(lean_hf, "CPP", cpp)
+    fast = _run(model, True, row_exact)
     assert model._specmesh_lean_hf is True and len(calls) == 4  # three prefills and the mixed step
+    # the C++ halves take every layer of a bf16 model on oneDNN's prepacked linears (csrc/lean_layer.cpp)
+    takes = cpp and model.dtype == torch.bfloat16 and onednn.available() and cpu_gemm.load() is not None
+    assert any(p is not None for p in plans) == takes
     assert len(slow) == len(fast)
     for a, b in zip(slow, fast):
         assert a.dtype == b.dtype and torch.equal(a, b)

@@ -186,7 +186,8 @@ def test_bf16_batched_steps_take_the_kernel_but_never_the_target_alone_s_own_ste
 
     try:
         row_attn.enable_bf16(model)
-        cpu_gemm._EXT = type("Spy", (), {"row_attention": lambda self, *a: calls.append(1) or real(*a)})()
+        cpu_gemm._EXT = type("Spy", (), {"row_attention": lambda self, *a: calls.append(1) or real(*a),
+                                         "__getattr__": lambda self, name: getattr(saved, name)})()
         assert row_attn.usable(model, kvs, 0, [1, 1]) and row_attn.usable(model, kvs[:1], 0, [5])
         assert not row_attn.usable(model, kvs[:1], 0, [1]) and not row_attn.usable(model, kvs, 1, [1, 1])
         assert row_attn.usable(model, kvs[:1], 2, [1])

@@ -266,9 +266,25 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
 void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
                torch::Tensor off, c10::optional<double> scale, bool fold, torch::Tensor out);
 
+// lean_layer.cpp
+std::vector<at::Tensor> lean_pre(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wp,
+                                 const std::optional<at::Tensor>& b, int64_t step, int64_t floor, const at::Tensor& cos,
+                                 const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t d);
+at::Tensor lean_post(const at::Tensor& x, const at::Tensor& o, const at::Tensor& wp_o, const std::optional<at::Tensor>& b_o,
+                     int64_t step_o, int64_t floor_o, const at::Tensor& norm_w, double eps, const at::Tensor& wp_gu,
+                     const std::optional<at::Tensor>& b_gu, int64_t step_gu, int64_t floor_gu, int64_t inter,
+                     const at::Tensor& wp_d, const std::optional<at::Tensor>& b_d, int64_t step_d, int64_t floor_d);
+at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pk,
+                       const at::Tensor& pv, const std::vector<int64_t>& geo, const std::vector<std::optional<at::Tensor>>& masks,
+                       const std::vector<at::Tensor>& paths, const std::vector<at::Tensor>& offs, std::optional<double> scale,
+                       bool fold);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T + bias from packed panels, float32, row-invariant (AVX2/FMA)");
   m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32 or bf16");
   m.def("sdpa_rows", &sdpa_rows, "a sequence's rows one torch SDPA call each, as one-token steps (deterministic mode)");
+  m.def("lean_pre", &lean_pre, "lean_hf's layer up to attention: norm, stacked q/k/v, RoPE (prepacked bf16 linears)");
+  m.def("pool_attend", &pool_attend, "kv._attend's SDPA sequences in one call: KV written in place, HF's SDPA calls");
+  m.def("lean_post", &lean_post, "lean_hf's layer after attention: o_proj, residual, norm, gate/up, SiLU, down, residual");
 }
