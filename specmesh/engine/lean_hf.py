@@ -25,12 +25,12 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.engine import cpu_gemm, onednn
+from specmesh.engine import cpu_gemm, onednn, onednn_stack
 from specmesh.engine.rowexact import chunking, linear_forward
 from specmesh.engine.rowprobe import _ACTIVE
 
 ARCHITECTURES = ("llama", "qwen2", "mistral")
-STACK = True  # q/k/v and gate/up as one prepacked call each (onednn.Stack), where bitwise
+STACK = True  # q/k/v and gate/up as one prepacked call each (onednn_stack.Stack), where bitwise
 CPP = True  # a layer's ops around attention in two C++ calls (csrc/lean_layer.cpp), where they apply
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # the forward _rms repeats
 
@@ -75,8 +75,8 @@ class _Layer:
         self.gate, self.up, self.down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
         self.act, self.scale = mlp.act_fn, a.scaling
         self.silu = isinstance(self.act, torch.nn.SiLU) or type(self.act).__name__ == "SiLUActivation"
-        self.qkv = onednn.stack(model, [self.q, self.k, self.v]) if STACK else None  # one prepacked call each, where bitwise
-        self.gate_up = onednn.stack(model, [self.gate, self.up]) if STACK else None
+        self.qkv = onednn_stack.stack(model, [self.q, self.k, self.v]) if STACK else None  # one prepacked call each, where bitwise
+        self.gate_up = onednn_stack.stack(model, [self.gate, self.up]) if STACK else None
 
 
 def prepare(model: torch.nn.Module) -> bool:
@@ -86,6 +86,8 @@ def prepare(model: torch.nn.Module) -> bool:
         done = _shaped(model)
         if done:
             model._specmesh_lean_hf_layers = [_Layer(model, layer) for layer in model.model.layers]
+            if any(lay.qkv is not None or lay.gate_up is not None for lay in model._specmesh_lean_hf_layers):
+                onednn_stack.release()
         model._specmesh_lean_hf = done
     return done
 
@@ -107,7 +109,7 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
 
 
-def _linears(st: onednn.Stack | None, mods: tuple, x: torch.Tensor) -> list[torch.Tensor]:
+def _linears(st: onednn_stack.Stack | None, mods: tuple, x: torch.Tensor) -> list[torch.Tensor]:
     """The members' outputs on x [T, in]: column slices of one stacked call where the step would run
     every member from its prepacked weight alike, else each member's own routed call."""
     out = None

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from specmesh.core.tree import tree_layout
-from specmesh.engine import cpu_gemm, lean_hf, onednn, rowexact
+from specmesh.engine import cpu_gemm, lean_hf, onednn, onednn_stack, rowexact
 from specmesh.engine.kv import batched_step
 from specmesh.engine.pool import new_pool
 
@@ -144,6 +144,7 @@ def test_a_stack_that_is_not_bitwise_is_refused(monkeypatch):
         return y * (1 + 2**-7) if y.shape[1] == mlp.gate_proj.out_features + mlp.up_proj.out_features else y
 
     monkeypatch.setattr(onednn, "run", off_by_one_ulp)
-    monkeypatch.setattr(onednn, "_STACK_OK", {})
-    assert onednn.stack(model, [mlp.gate_proj, mlp.up_proj]) is None
+    monkeypatch.setattr(onednn_stack, "_STACK_OK", {})
+    monkeypatch.setenv("SPECMESH_PROBE_CACHE", "off")
+    assert onednn_stack.stack(model, [mlp.gate_proj, mlp.up_proj]) is None
     assert mlp.gate_proj._specmesh_onednn is not None  # the members keep their own copies
