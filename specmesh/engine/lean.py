@@ -121,6 +121,20 @@ def _linear(ext, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | Non
     return ext.linear(x, packed, bias, packed.shape[0] * PANEL)
 
 
+def begin(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, hidden: dict | None) -> tuple:
+    """A lean forward's start (this one's and lean_hf's): ((T, H, KV, D), the embeddings x [T, hidden],
+    the hidden-state dict with index 0 filled where asked, cos and sin [T, 1, D] in x's dtype)."""
+    inner, cfg = model.model, model.config
+    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
+    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    x = inner.embed_tokens(ids)  # [T, hidden]
+    keep = hidden if hidden is not None else {}
+    if 0 in keep:
+        keep[0] = x
+    cos, sin = inner.rotary_emb(x[None], positions[None])  # [1, T, D] each
+    return (ids.shape[0], heads, kv_heads, d), x, keep, cos[0][:, None], sin[0][:, None]
+
+
 @torch.inference_mode()
 def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
             plans: list[row_attn.RowPlan], hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -128,16 +142,8 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
     -> the final normed hidden states [T, hidden] float32. hidden: HF hidden_states indices to fill
     ({index: None} in, [T, hidden] out): 0 the embeddings, i the output of layer i - 1, the last
     one after the final norm, as HF's output_hidden_states gives them."""
-    inner, cfg = model.model, model.config
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    t = ids.shape[0]
-    x = inner.embed_tokens(ids)  # [T, hidden]
-    keep = hidden if hidden is not None else {}
-    if 0 in keep:
-        keep[0] = x
-    cos, sin = inner.rotary_emb(x[None], positions[None])  # [1, T, D] each
-    cos, sin = cos[0][:, None], sin[0][:, None]  # [T, 1, D]
+    (t, heads, kv_heads, d), x, keep, cos, sin = begin(model, ids, positions, hidden)
+    inner = model.model
     ext, k_end = cpu_gemm.load(), (heads + kv_heads) * d
     for i, lay in enumerate(model._specmesh_lean_layers):
         qkv = _linear(ext, _rms(x, lay.norm1), *lay.qkv)  # [T, (H + 2 KV) D]

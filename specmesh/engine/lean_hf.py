@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.engine import cpu_gemm, onednn, onednn_stack
+from specmesh.engine import cpu_gemm, lean, onednn, onednn_stack
 from specmesh.engine.rowexact import chunking, linear_forward
 from specmesh.engine.rowprobe import _ACTIVE
 
@@ -103,12 +103,6 @@ def _rms(x: torch.Tensor, norm: torch.nn.Module) -> torch.Tensor:
     return norm.weight * (h * torch.rsqrt(variance + norm.variance_epsilon)).to(x.dtype)
 
 
-def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """HF's apply_rotary_pos_emb, elementwise: x [T, heads, D]; cos, sin: [T, 1, D]."""
-    half = x.shape[-1] // 2
-    return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
-
-
 def _linears(st: onednn_stack.Stack | None, mods: tuple, x: torch.Tensor) -> list[torch.Tensor]:
     """The members' outputs on x [T, in]: column slices of one stacked call where the step would run
     every member from its prepacked weight alike, else each member's own routed call."""
@@ -129,7 +123,7 @@ def _layer(lay: _Layer, x: torch.Tensor, cos, sin, attend, dims: tuple[int, int,
     h = _rms(x, lay.norm1)  # [T, hidden]
     q, k, v = _linears(lay.qkv, (lay.q, lay.k, lay.v), h)  # [T, H D], [T, KV D] x 2
     q, k, v = q.view(t, heads, d), k.view(t, kv_heads, d), v.view(t, kv_heads, d)
-    qk = _rope(torch.cat((q, k), dim=1), cos, sin)  # [T, H + KV, D]
+    qk = lean._rope(torch.cat((q, k), dim=1), cos, sin)  # [T, H + KV, D]
     o = attend(lay.idx, qk[:, :heads].transpose(0, 1)[None], qk[:, heads:].transpose(0, 1)[None],
                v.transpose(0, 1)[None], lay.scale)  # [1, T, H, D]
     x = x + linear_forward(lay.o, o.reshape(t, heads * d))
@@ -164,16 +158,8 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, 
     """ids, positions: [T] long; attend(layer_idx, q [1, H, T, D], k, v [1, KV, T, D], scale) ->
     [1, T, H, D] (kv.pool_attention's) -> the final normed hidden states [T, hidden] in the model's
     dtype. hidden: as lean.forward's (HF's output_hidden_states indices)."""
-    inner, cfg = model.model, model.config
-    heads, kv_heads = cfg.num_attention_heads, cfg.num_key_value_heads
-    d = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
-    t = ids.shape[0]
-    x = inner.embed_tokens(ids)  # [T, hidden]
-    keep = hidden if hidden is not None else {}
-    if 0 in keep:
-        keep[0] = x
-    cos, sin = inner.rotary_emb(x[None], positions[None])  # [1, T, D] each, the model's dtype
-    cos, sin = cos[0][:, None], sin[0][:, None]  # [T, 1, D]
+    (t, heads, kv_heads, d), x, keep, cos, sin = lean.begin(model, ids, positions, hidden)
+    inner = model.model
     ext = cpu_gemm.load() if CPP and x.device.type == "cpu" else None
     for i, lay in enumerate(model._specmesh_lean_hf_layers):
         plan = _cpp_plan(lay, t) if ext is not None else None
