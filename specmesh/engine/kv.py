@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, lean, lean_hf, onednn, quant, row_attn, rowexact, rownorm
+from specmesh.engine import cpu_gemm, lean, lean_hf, onednn, quant, row_attn, rowexact, rowgroup, rownorm
 from specmesh.engine.attention import fold_ok, sdpa, step_mask
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
@@ -89,14 +89,16 @@ def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
     sequence's pool views [1, kv_heads, L + n, D]; paths: _Seq.paths; out: [n, heads, D]. A chain
     row j sees slots [0, L + j + 1) in place. A tree row sees the cache and its ancestors: its
     path's few slots are copied right after the cache for its call, and the tree's slots are put
-    back afterwards. On the CPU the extension makes the same SDPA calls without the Python
-    around each (csrc/sdpa_rows.cpp: bitwise this loop)."""
+    back afterwards. On the CPU the extension computes the same rows without the Python around
+    each call, consecutive chain rows in one call where rowgroup probed that bitwise
+    (csrc/sdpa_rows.cpp: bitwise this loop)."""
     ext = cpu_gemm.load() if q.device.type == "cpu" else None
     flat, off = paths if paths is not None else (_NO_PATH, _NO_PATH)
     if ext is not None:
         heads, kv_heads = q.shape[1], k.shape[1]
         fold = heads != kv_heads and fold_ok(q.device, q.dtype, heads, kv_heads, q.shape[3], scale)
-        ext.sdpa_rows(q, k, v, length, flat, off, scale, fold, out)
+        width = rowgroup.width(q.device, q.dtype, heads, kv_heads, q.shape[3], scale, fold)
+        ext.sdpa_rows(q, k, v, length, flat, off, scale, fold, width, out)
         return
     n = q.shape[2]
     if paths is None:
@@ -136,8 +138,9 @@ def _attend(layer: int, query, key, value, scaling) -> torch.Tensor:
     if plan.native is not None:  # every sequence on torch's SDPA, in one C++ call (the loop below)
         pool, geo, masks, paths, offs = plan.native
         fold = heads != key.shape[1] and fold_ok(query.device, query.dtype, heads, key.shape[1], d, scaling)
+        width = rowgroup.width(query.device, query.dtype, heads, key.shape[1], d, scaling, fold) if plan.row_exact else 0
         return cpu_gemm.load().pool_attend(query, key, value, pool.k[layer], pool.v[layer], geo, masks, paths, offs,
-                                           scaling, fold)
+                                           scaling, fold, width)
     out = None  # [T, heads, D]
     if plan.rows is not None:  # every new slot written at once; the kernel's rows in one call per pool
         out = row_attn.step(plan.rows, layer, key, value, query, scaling if scaling is not None else d**-0.5)

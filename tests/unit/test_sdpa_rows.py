@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from specmesh.core.tree import tree_layout
-from specmesh.engine import attention, cpu_gemm, kv
+from specmesh.engine import attention, cpu_gemm, kv, rowgroup
 
 pytestmark = pytest.mark.skipif(cpu_gemm.load() is None, reason=f"extension not usable here: {cpu_gemm.unusable_reason()}")
 
@@ -43,6 +43,7 @@ def test_extension_rows_are_bitwise_the_python_loop(monkeypatch, dtype, fold, tr
     paths = _paths(parents) if tree else None
     monkeypatch.setattr(kv, "fold_ok", lambda *a: fold)
     monkeypatch.setattr(attention, "fold_ok", lambda *a: fold)
+    monkeypatch.setattr(rowgroup, "ENABLED", False)  # one call per row (the grouped rows: test_rowgroup.py)
     outs, pools = [], []
     for use_ext in (True, False):
         k, v = pool_k.clone(), pool_v.clone()
@@ -68,4 +69,4 @@ def test_extension_rejects_bad_shapes():
     k = torch.randn(1, 3, 10, 64)
     with pytest.raises(RuntimeError, match="sdpa rows"):
         ext.sdpa_rows(q, k, k, 5, torch.empty(0, dtype=torch.long), torch.empty(0, dtype=torch.long), None, False,
-                      torch.empty(3, 9, 64))
+                      0, torch.empty(3, 9, 64))

@@ -264,7 +264,7 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
                             torch::Tensor len, torch::Tensor off, torch::Tensor extra, double scale);
 // sdpa_rows.cpp
 void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
-               torch::Tensor off, c10::optional<double> scale, bool fold, torch::Tensor out);
+               torch::Tensor off, c10::optional<double> scale, bool fold, int64_t width, torch::Tensor out);
 
 // lean_layer.cpp
 std::vector<at::Tensor> lean_pre(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wp,
@@ -277,13 +277,13 @@ at::Tensor lean_post(const at::Tensor& x, const at::Tensor& o, const at::Tensor&
 at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pk,
                        const at::Tensor& pv, const std::vector<int64_t>& geo, const std::vector<std::optional<at::Tensor>>& masks,
                        const std::vector<at::Tensor>& paths, const std::vector<at::Tensor>& offs, std::optional<double> scale,
-                       bool fold);
+                       bool fold, int64_t width);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T + bias from packed panels, float32, row-invariant (AVX2/FMA)");
   m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32 or bf16");
-  m.def("sdpa_rows", &sdpa_rows, "a sequence's rows one torch SDPA call each, as one-token steps (deterministic mode)");
+  m.def("sdpa_rows", &sdpa_rows, "a sequence's rows as one-token steps on torch SDPA, each bitwise its own call (deterministic mode)");
   m.def("lean_pre", &lean_pre, "lean_hf's layer up to attention: norm, stacked q/k/v, RoPE (prepacked bf16 linears)");
   m.def("pool_attend", &pool_attend, "kv._attend's SDPA sequences in one call: KV written in place, HF's SDPA calls");
   m.def("lean_post", &lean_post, "lean_hf's layer after attention: o_proj, residual, norm, gate/up, SiLU, down, residual");

@@ -1,17 +1,25 @@
-// The deterministic mode's attention on torch's own kernel: each query row of one sequence alone,
-// unmasked, over exactly the slots it sees, laid out as a one-token step sees them, one
-// at::scaled_dot_product_attention call per row: the very op, inputs and strides of the Python
-// loop it replaces (kv.py's _rows_exact), so bitwise the same, without ~6 Python tensor calls per
-// row per layer around each call (measured on a 2-core AMX Xeon, bf16, 256 slots: a row cost
-// ~32 us through Python, of which the SDPA call ~20 us).
+// The deterministic mode's attention on torch's own kernel: each query row of one sequence as a
+// one-token step computes it, unmasked over exactly the slots it sees (the very op, inputs and
+// strides of kv.py's _rows_exact loop, so bitwise the same, without ~6 Python tensor calls per row
+// per layer around each call: measured on a 2-core AMX Xeon, bf16, 256 slots, a row cost ~32 us
+// through Python, of which the SDPA call ~20 us).
 //
-// A chain row j sees slots [0, L + j + 1) of the sequence's view in place. A tree row sees the
-// cache and its ancestors: its path's few slots are copied right after the cache for its call
-// (from a copy of the tree's slots taken first; only the slots that differ from the previous
-// row's, as raw bytes), and the tree's slots are put back at the end.
+// A chain row j sees slots [0, L + j + 1) of the sequence's view in place. Consecutive chain rows
+// whose slot counts share floor(count / width) go in one call (width > 0, probed per shape by
+// rowgroup.py): each row a batch entry of its own (torch's kernel computes every batch entry and
+// head alone, with the one-row path of a one-token call), over the slots of the group's last row
+// with the slots past its own masked. Masked slots add exact zeros to the softmax's sum and the
+// weighted values, and the kernel's vector blocks over the slots end where they end for the row's
+// own call when the two counts share floor(count / vector width): so each row is bitwise its own
+// call, for ~1 call's fixed cost per group instead of per row.
+//
+// A tree row sees the cache and its ancestors: its path's few slots are copied right after the
+// cache for its own call (from a copy of the tree's slots taken first; only the slots that differ
+// from the previous row's, as raw bytes), and the tree's slots are put back at the end.
 #include <torch/extension.h>
 
 #include <cstring>
+#include <limits>
 #include <vector>
 
 namespace {
@@ -28,18 +36,44 @@ at::Tensor one_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale, H != KV);
 }
 
+// Chain rows j..e (e > j) of one sequence in one call (module comment): q [1, H, n, D]; k, v the
+// sequence's views [1, KV, L + n, D] -> [e - j + 1, H, D].
+at::Tensor grouped_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length, int64_t j,
+                        int64_t e, c10::optional<double> scale, bool fold) {
+  const int64_t m = e - j + 1, slots = length + e + 1, H = q.size(1), KV = k.size(1), D = q.size(3);
+  auto mask = at::zeros({m, 1, 1, slots}, q.options());  // [m, 1, 1, N]: row r sees length + j + r + 1 slots
+  for (int64_t r = 0; r + 1 < m; ++r) {
+    mask[r].narrow(-1, slots - (m - 1 - r), m - 1 - r).fill_(-std::numeric_limits<double>::infinity());
+  }
+  const auto ks = k.slice(2, 0, slots).expand({m, KV, slots, D});  // [m, KV, N, D], stride 0 over rows
+  const auto vs = v.slice(2, 0, slots).expand({m, KV, slots, D});
+  const auto qs = q.slice(2, j, e + 1).transpose(0, 2);  // [m, H, 1, D]
+  if (fold) {
+    return at::scaled_dot_product_attention(qs.reshape({m, KV, H / KV, D}), ks, vs, mask, 0.0, false, scale)
+        .reshape({m, H, D});
+  }
+  return at::scaled_dot_product_attention(qs, ks, vs, mask, 0.0, false, scale, H != KV).select(2, 0);
+}
+
 }  // namespace
 
 // q: [1, H, n, D]; k, v: the sequence's views [1, KV, L + n, D] (its cache, then its n new slots);
 // path: [E] int64 (a tree: row j's ancestors as new-token indices, root first, in
-// path[off[j] .. off[j + 1])), empty for a chain; out: [n, H, D], filled in place.
+// path[off[j] .. off[j + 1])), empty for a chain; width: chain rows grouped by floor(slots / width)
+// (0: one call per row); out: [n, H, D], filled in place.
 void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
-               torch::Tensor off, c10::optional<double> scale, bool fold, torch::Tensor out) {
+               torch::Tensor off, c10::optional<double> scale, bool fold, int64_t width, torch::Tensor out) {
   const int64_t n = q.size(2);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(2) == length + n && v.sizes() == k.sizes() &&
               out.size(0) == n, "sdpa rows: q [1, H, n, D], k and v [1, KV, L + n, D], out [n, H, D]");
   if (path.numel() == 0) {
-    for (int64_t j = 0; j < n; ++j) {
+    for (int64_t j = 0, e = 0; j < n; j = e + 1) {
+      e = j;
+      while (width > 0 && e + 1 < n && (length + e + 2) / width == (length + j + 1) / width) ++e;
+      if (e > j) {
+        out.slice(0, j, e + 1).copy_(grouped_rows(q, k, v, length, j, e, scale, fold));
+        continue;
+      }
       out[j].copy_(one_row(q.slice(2, j, j + 1), k.slice(2, 0, length + j + 1), v.slice(2, 0, length + j + 1),
                            scale, fold)[0].select(1, 0));
     }
