@@ -15,8 +15,9 @@ probed, never assumed: `width` tries WIDTHS, widest first, against the one-call-
 draws that round apart under any other order (a wide-range value per slot), at every slot count
 to 33 and across the kernel's 512-slot blocks, and keeps the first that is bitwise everywhere (0:
 none, one call per row). Decided once per shape, logged, kept by the probe cache. GPUs keep one
-call per row (kv._rows_exact's loop). Trees keep one call per row: a tree row's ancestors are
-copied after the cache for its own call.
+call per row (kv._rows_exact's loop). A tree goes in chains: one root-to-node path copied after
+the cache serves every row on it, each over the cache and its own prefix of the path, grouped the
+same way.
 """
 
 from __future__ import annotations

@@ -72,3 +72,25 @@ def test_off_the_cpu_and_when_disabled_one_call_per_row(monkeypatch):
     assert rowgroup.width("meta", torch.bfloat16, 9, 3, 64, 0.125, False) == 0
     monkeypatch.setattr(rowgroup, "ENABLED", False)
     assert rowgroup.width("cpu", torch.bfloat16, 9, 3, 64, 0.125, False) == 0
+
+
+def test_a_tree_goes_in_chains():
+    """A tree of 8 drafts under the pending token in 3 root-to-leaf chains: with a width, a call per
+    chain (its rows share a vector block), each row still its own call's bits (test_sdpa_rows)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from specmesh.core.tree import tree_layout
+
+    mask, _ = tree_layout([-1, 0, 0, 1, 3, 2, 0, 6])  # rows [pending, drafts]: chains 0-1-7-8, 0-1-3-6, 0-1-2-4-5
+    flat, off = mask.nonzero()[:, 1].contiguous(), torch.zeros(10, dtype=torch.long)
+    off[1:] = mask.sum(1).cumsum(0)
+    q, k, v = _case(torch.bfloat16, 9, 3, 64, 256, 9, seed=5)
+    calls, outs = {}, {}
+    for width in (0, 16):
+        out = torch.empty(9, 9, 64, dtype=torch.bfloat16)
+        with profile(activities=[ProfilerActivity.CPU]) as prof:
+            cpu_gemm.load().sdpa_rows(q, k, v, 256, flat, off, 0.125, False, width, out)
+        calls[width] = sum(e.count for e in prof.key_averages() if e.key == "aten::scaled_dot_product_attention")
+        outs[width] = out
+    assert calls == {0: 9, 16: 3}
+    assert torch.equal(outs[0], outs[16])

@@ -35,7 +35,8 @@ def _paths(parents):
 @pytest.mark.parametrize("fold", [False, True])
 @pytest.mark.parametrize("tree", [False, True])
 @pytest.mark.parametrize("kv_heads", [3, 1])  # one kv head: a tree's slots are a contiguous run (copied, not aliased)
-def test_extension_rows_are_bitwise_the_python_loop(monkeypatch, dtype, fold, tree, kv_heads):
+@pytest.mark.parametrize("grouped", [False, True])  # rows in one call where rowgroup's probe keeps a width
+def test_extension_rows_are_bitwise_the_python_loop(monkeypatch, dtype, fold, tree, kv_heads, grouped):
     heads, d, length = 9, 64, 261
     parents = [-1, 0, 0, 1, 3, 2, 0, 6]
     n = len(parents) + 1  # the pending token, then the drafts
@@ -43,7 +44,7 @@ def test_extension_rows_are_bitwise_the_python_loop(monkeypatch, dtype, fold, tr
     paths = _paths(parents) if tree else None
     monkeypatch.setattr(kv, "fold_ok", lambda *a: fold)
     monkeypatch.setattr(attention, "fold_ok", lambda *a: fold)
-    monkeypatch.setattr(rowgroup, "ENABLED", False)  # one call per row (the grouped rows: test_rowgroup.py)
+    monkeypatch.setattr(rowgroup, "ENABLED", grouped)
     outs, pools = [], []
     for use_ext in (True, False):
         k, v = pool_k.clone(), pool_v.clone()
@@ -61,6 +62,18 @@ def test_extension_rows_are_bitwise_the_python_loop(monkeypatch, dtype, fold, tr
     slots = torch.cat([torch.arange(length), seen]) + 3
     row = attention.sdpa(q[:, :, j : j + 1], pool_k[None, :, slots], pool_v[None, :, slots], None, False, 0.125)
     assert torch.equal(outs[0][j], row[0, :, 0])
+
+
+def test_extension_rejects_a_path_that_is_not_a_tree():
+    """Row 2's path claims row 1 as its ancestor, but row 1's own path is not a prefix of it."""
+    ext = cpu_gemm.load()
+    q, pool_k, pool_v = _case(torch.bfloat16, 9, 3, 64, 20, 3, seed=1)
+    k, v = pool_k[None, :, :23], pool_v[None, :, :23]
+    before = k.clone()
+    flat, off = torch.tensor([0, 1, 0, 2, 1]), torch.tensor([0, 1, 3, 5])  # rows 0; 0 1; 2 1 (bad)
+    with pytest.raises(RuntimeError, match="sdpa rows"):
+        ext.sdpa_rows(q, k, v, 20, flat, off, None, False, 16, torch.empty(3, 9, 64, dtype=torch.bfloat16))
+    assert torch.equal(k, before), "checked before any slot moves"
 
 
 def test_extension_rejects_bad_shapes():

@@ -14,10 +14,13 @@
 // call, for ~1 call's fixed cost per group instead of per row.
 //
 // A tree row sees the cache and its ancestors: its path's few slots are copied right after the
-// cache for its own call (from a copy of the tree's slots taken first; only the slots that differ
-// from the previous row's, as raw bytes), and the tree's slots are put back at the end.
+// cache (from a copy of the tree's slots taken first; only the slots that differ from what is
+// there, as raw bytes), and the tree's slots are put back at the end. The tree goes in chains:
+// one path placed serves every row on it (each sees the cache and a prefix of it), grouped as a
+// chain's rows are.
 #include <torch/extension.h>
 
+#include <algorithm>
 #include <cstring>
 #include <limits>
 #include <vector>
@@ -36,18 +39,18 @@ at::Tensor one_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   return at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale, H != KV);
 }
 
-// Chain rows j..e (e > j) of one sequence in one call (module comment): q [1, H, n, D]; k, v the
-// sequence's views [1, KV, L + n, D] -> [e - j + 1, H, D].
-at::Tensor grouped_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length, int64_t j,
-                        int64_t e, c10::optional<double> scale, bool fold) {
-  const int64_t m = e - j + 1, slots = length + e + 1, H = q.size(1), KV = k.size(1), D = q.size(3);
-  auto mask = at::zeros({m, 1, 1, slots}, q.options());  // [m, 1, 1, N]: row r sees length + j + r + 1 slots
-  for (int64_t r = 0; r + 1 < m; ++r) {
-    mask[r].narrow(-1, slots - (m - 1 - r), m - 1 - r).fill_(-std::numeric_limits<double>::infinity());
+// Rows of one sequence in one call (module comment): qs [m, H, 1, D]; k, v the sequence's views
+// [1, KV, S, D]; row r sees slots [0, lens[r]), lens ascending, all sharing floor(lens / width)
+// -> [m, H, D].
+at::Tensor batch_rows(const at::Tensor& qs, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& lens,
+                      c10::optional<double> scale, bool fold) {
+  const int64_t m = qs.size(0), slots = lens.back(), H = qs.size(1), KV = k.size(1), D = qs.size(3);
+  auto mask = at::zeros({m, 1, 1, slots}, qs.options());  // [m, 1, 1, N]: -inf past each row's own slots
+  for (int64_t r = 0; r < m; ++r) {
+    if (lens[r] < slots) mask[r].narrow(-1, lens[r], slots - lens[r]).fill_(-std::numeric_limits<double>::infinity());
   }
   const auto ks = k.slice(2, 0, slots).expand({m, KV, slots, D});  // [m, KV, N, D], stride 0 over rows
   const auto vs = v.slice(2, 0, slots).expand({m, KV, slots, D});
-  const auto qs = q.slice(2, j, e + 1).transpose(0, 2);  // [m, H, 1, D]
   if (fold) {
     return at::scaled_dot_product_attention(qs.reshape({m, KV, H / KV, D}), ks, vs, mask, 0.0, false, scale)
         .reshape({m, H, D});
@@ -55,46 +58,65 @@ at::Tensor grouped_rows(const at::Tensor& q, const at::Tensor& k, const at::Tens
   return at::scaled_dot_product_attention(qs, ks, vs, mask, 0.0, false, scale, H != KV).select(2, 0);
 }
 
-}  // namespace
-
-// q: [1, H, n, D]; k, v: the sequence's views [1, KV, L + n, D] (its cache, then its n new slots);
-// path: [E] int64 (a tree: row j's ancestors as new-token indices, root first, in
-// path[off[j] .. off[j + 1])), empty for a chain; width: chain rows grouped by floor(slots / width)
-// (0: one call per row); out: [n, H, D], filled in place.
-void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
-               torch::Tensor off, c10::optional<double> scale, bool fold, int64_t width, torch::Tensor out) {
-  const int64_t n = q.size(2);
-  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(2) == length + n && v.sizes() == k.sizes() &&
-              out.size(0) == n, "sdpa rows: q [1, H, n, D], k and v [1, KV, L + n, D], out [n, H, D]");
-  if (path.numel() == 0) {
-    for (int64_t j = 0, e = 0; j < n; j = e + 1) {
-      e = j;
-      while (width > 0 && e + 1 < n && (length + e + 2) / width == (length + j + 1) / width) ++e;
-      if (e > j) {
-        out.slice(0, j, e + 1).copy_(grouped_rows(q, k, v, length, j, e, scale, fold));
-        continue;
-      }
-      out[j].copy_(one_row(q.slice(2, j, j + 1), k.slice(2, 0, length + j + 1), v.slice(2, 0, length + j + 1),
-                           scale, fold)[0].select(1, 0));
+// rows[i] (a query row of q [1, H, n, D]) sees slots [0, lens[i]) of k, v, lens ascending: runs of
+// rows sharing floor(lens / width) in one call each (width 0: one call per row) -> out[rows[i]].
+void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& rows,
+                 const std::vector<int64_t>& lens, int64_t width, c10::optional<double> scale, bool fold, at::Tensor& out) {
+  const int64_t count = static_cast<int64_t>(rows.size());
+  for (int64_t a = 0, b = 0; a < count; a = b) {
+    for (b = a + 1; width > 0 && b < count && lens[b] / width == lens[a] / width; ++b) {
     }
-    return;
+    if (b - a == 1) {
+      const int64_t j = rows[a];
+      out[j].copy_(one_row(q.slice(2, j, j + 1), k.slice(2, 0, lens[a]), v.slice(2, 0, lens[a]), scale, fold)[0]
+                       .select(1, 0));
+      continue;
+    }
+    const std::vector<int64_t> part(rows.begin() + a, rows.begin() + b), seen(lens.begin() + a, lens.begin() + b);
+    const auto idx = torch::tensor(part, torch::dtype(torch::kLong));
+    const auto qs = q.index_select(2, idx).transpose(0, 2);  // [m, H, 1, D]
+    out.index_copy_(0, idx, batch_rows(qs, k, v, seen, scale, fold));
   }
+}
+
+// A tree's paths as sdpa_rows takes them: row j's ends at j, and each of its entries at depth p is
+// a row whose own path is its first p + 1 entries (a prefix-closed tree in topological order).
+void check_paths(const int64_t* op, const int64_t* pp, int64_t n) {
+  for (int64_t j = 0; j < n; ++j) {
+    const int64_t d = op[j + 1] - op[j];
+    TORCH_CHECK(d >= 1 && d <= n && pp[op[j] + d - 1] == j, "sdpa rows: a tree row's path holds 1 to n slots, itself last");
+    for (int64_t p = 0; p < d; ++p) {
+      const int64_t node = pp[op[j] + p];
+      TORCH_CHECK(node >= 0 && node < n && op[node + 1] - op[node] == p + 1 &&
+                  std::equal(pp + op[node], pp + op[node] + p + 1, pp + op[j]),
+                  "sdpa rows: a path names the tree's own rows, each ancestor's path a prefix of it");
+    }
+  }
+}
+
+// A tree's rows (module comment), in chains: from the last row not yet computed, its path goes
+// into the slots after the cache (only where it differs from what is there, one head-dim run of
+// raw bytes per kv head and slot, from a copy of the tree's slots taken first), and every row on
+// that path not yet computed attends over the cache and its own prefix of the path, grouped as
+// attend_rows groups. The tree's slots are put back at the end.
+void tree_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length, const at::Tensor& path,
+               const at::Tensor& off, c10::optional<double> scale, bool fold, int64_t width, at::Tensor& out) {
+  const int64_t n = q.size(2);
   TORCH_CHECK(off.numel() == n + 1, "sdpa rows: one path per tree row");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides() && path.is_contiguous(),
               "sdpa rows: a tree's keys and values as the pool's views (head dim contiguous)");
-  auto offs = off.contiguous();
+  const auto offs = off.contiguous();
   const int64_t* op = offs.data_ptr<int64_t>();
   const int64_t* pp = path.data_ptr<int64_t>();
-  auto tree_k = k.slice(2, length).clone(at::MemoryFormat::Contiguous);  // [1, KV, n, D], a copy
-  auto tree_v = v.slice(2, length).clone(at::MemoryFormat::Contiguous);
-  const int64_t KV = k.size(1), D = k.size(3), bytes = D * k.element_size();
+  TORCH_CHECK(op[0] == 0 && op[n] == path.numel(), "sdpa rows: offsets bound the paths");
+  check_paths(op, pp, n);
+  const auto tree_k = k.slice(2, length).clone(at::MemoryFormat::Contiguous);  // [1, KV, n, D], a copy
+  const auto tree_v = v.slice(2, length).clone(at::MemoryFormat::Contiguous);
+  const int64_t KV = k.size(1), bytes = k.size(3) * k.element_size();
   char *kp = static_cast<char*>(k.data_ptr()), *vp = static_cast<char*>(v.data_ptr());
   const char *tk = static_cast<const char*>(tree_k.data_ptr()), *tv = static_cast<const char*>(tree_v.data_ptr());
   const int64_t head_s = k.stride(1) * k.element_size(), slot_s = k.stride(2) * k.element_size();
-  // slot length + p holds tree node at[p]: the tree's own order at first; a row's path goes in
-  // where it differs (a row shares its parent's path but for its own slot), one head-dim run of
-  // bytes per kv head, no tensor op per slot
-  std::vector<int64_t> at(n);
+  std::vector<int64_t> at(n);  // slot length + p holds tree node at[p]: the tree's own order at first
   for (int64_t p = 0; p < n; ++p) at[p] = p;
   auto place = [&](int64_t p, int64_t node) {
     for (int64_t h = 0; h < KV; ++h) {
@@ -104,18 +126,38 @@ void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length
     }
     at[p] = node;
   };
-  for (int64_t j = 0; j < n; ++j) {
-    const int64_t d = op[j + 1] - op[j];
-    TORCH_CHECK(d >= 1 && d <= n, "sdpa rows: a tree row's path holds 1 to n slots");
-    for (int64_t p = 0; p < d; ++p) {
+  std::vector<char> done(n, 0);
+  for (int64_t j = n - 1; j >= 0; --j) {
+    if (done[j]) continue;
+    std::vector<int64_t> rows, lens;
+    for (int64_t p = 0; p < op[j + 1] - op[j]; ++p) {
       const int64_t node = pp[op[j] + p];
-      TORCH_CHECK(node >= 0 && node < n, "sdpa rows: a path names the tree's own rows");
       if (at[p] != node) place(p, node);
+      if (!done[node]) done[node] = 1, rows.push_back(node), lens.push_back(length + p + 1);
     }
-    out[j].copy_(one_row(q.slice(2, j, j + 1), k.slice(2, 0, length + d), v.slice(2, 0, length + d), scale,
-                         fold)[0].select(1, 0));
+    attend_rows(q, k, v, rows, lens, width, scale, fold, out);
   }
   for (int64_t p = 0; p < n; ++p) {
     if (at[p] != p) place(p, p);  // the tree's slots as they were
   }
+}
+
+}  // namespace
+
+// q: [1, H, n, D]; k, v: the sequence's views [1, KV, L + n, D] (its cache, then its n new slots);
+// path: [E] int64 (a tree: row j's ancestors as new-token indices, root first, in
+// path[off[j] .. off[j + 1])), empty for a chain; width: rows grouped by floor(slots / width) (0:
+// one call per row); out: [n, H, D], filled in place.
+void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
+               torch::Tensor off, c10::optional<double> scale, bool fold, int64_t width, torch::Tensor out) {
+  const int64_t n = q.size(2);
+  TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(2) == length + n && v.sizes() == k.sizes() &&
+              out.size(0) == n, "sdpa rows: q [1, H, n, D], k and v [1, KV, L + n, D], out [n, H, D]");
+  if (path.numel() == 0) {
+    std::vector<int64_t> rows(n), lens(n);
+    for (int64_t j = 0; j < n; ++j) rows[j] = j, lens[j] = length + j + 1;
+    attend_rows(q, k, v, rows, lens, width, scale, fold, out);
+    return;
+  }
+  tree_rows(q, k, v, length, path, off, scale, fold, width, out);
 }
