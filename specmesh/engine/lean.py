@@ -36,7 +36,10 @@ ARCHITECTURES = ("llama", "qwen2", "mistral")
 PANEL = 16  # output rows per packed panel (csrc/packed_gemm.cpp)
 
 
-def _shaped(model: torch.nn.Module) -> bool:
+def llama_shaped(model: torch.nn.Module, proj_ok, layer_ok=None) -> bool:
+    """Whether the model's layers are Llama-shaped (ARCHITECTURES, SiLU, pre-norm attention without
+    q/k norms, q/k/v/o and gate/up/down projections) with every projection passing proj_ok(module)
+    and every layer layer_ok(layer) (lean.py's forward and lean_hf.py's share this)."""
     cfg = model.config
     if getattr(cfg, "model_type", None) not in ARCHITECTURES or getattr(cfg, "hidden_act", None) != "silu":
         return False
@@ -47,12 +50,19 @@ def _shaped(model: torch.nn.Module) -> bool:
         a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
         if a is None or mlp is None or hasattr(a, "q_norm") or hasattr(a, "k_norm"):
             return False
+        if layer_ok is not None and not layer_ok(layer):
+            return False
         projs = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
         projs += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(p is None or getattr(p, "_specmesh_packed", None) is None or getattr(p, "_specmesh_int8", None)
-               is not None or p.out_features % PANEL for p in projs):
+        if any(p is None or getattr(p, "_specmesh_int8", None) is not None or not proj_ok(p) for p in projs):
             return False
     return True
+
+
+def _shaped(model: torch.nn.Module) -> bool:
+    """Llama-shaped, every projection on the packed kernel in whole panels."""
+    return llama_shaped(model, lambda p: getattr(p, "_specmesh_packed", None) is not None
+                        and not p.out_features % PANEL)
 
 
 def _stack(mods: list[torch.nn.Module]) -> tuple[torch.Tensor, torch.Tensor | None]:

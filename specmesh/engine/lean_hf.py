@@ -29,35 +29,20 @@ from specmesh.engine import cpu_gemm, lean, onednn, onednn_stack
 from specmesh.engine.rowexact import chunking, linear_forward
 from specmesh.engine.rowprobe import _ACTIVE
 
-ARCHITECTURES = ("llama", "qwen2", "mistral")
 STACK = True  # q/k/v and gate/up as one prepacked call each (onednn_stack.Stack), where bitwise
 CPP = True  # a layer's ops around attention in two C++ calls (csrc/lean_layer.cpp), where they apply
 NORMS = ("LlamaRMSNorm", "Qwen2RMSNorm", "MistralRMSNorm")  # the forward _rms repeats
 
 
 def _shaped(model: torch.nn.Module) -> bool:
-    cfg = model.config
-    if getattr(cfg, "model_type", None) not in ARCHITECTURES or getattr(cfg, "hidden_act", None) != "silu":
-        return False
-    if getattr(model, "_specmesh_cpu_gemm", False):  # lean.py's forward, or HF's where that does not fit
-        return False
+    """Llama-shaped (lean.llama_shaped) with HF's RMSNorms and every projection a routed linear,
+    and not on the packed kernel (lean.py's forward, or HF's where that does not fit)."""
     inner = getattr(model, "model", None)
-    if inner is None or not all(hasattr(inner, n) for n in ("embed_tokens", "rotary_emb", "layers", "norm")):
+    if getattr(model, "_specmesh_cpu_gemm", False) or type(getattr(inner, "norm", None)).__name__ not in NORMS:
         return False
-    if type(inner.norm).__name__ not in NORMS:
-        return False
-    for layer in inner.layers:
-        a, mlp = getattr(layer, "self_attn", None), getattr(layer, "mlp", None)
-        if a is None or mlp is None or hasattr(a, "q_norm") or hasattr(a, "k_norm"):
-            return False
-        if any(type(getattr(layer, n, None)).__name__ not in NORMS for n in ("input_layernorm", "post_attention_layernorm")):
-            return False
-        projs = [getattr(a, n, None) for n in ("q_proj", "k_proj", "v_proj", "o_proj")]
-        projs += [getattr(mlp, n, None) for n in ("gate_proj", "up_proj", "down_proj")]
-        if any(not isinstance(p, torch.nn.Linear) or not getattr(p, "_specmesh_routed", False)
-               or getattr(p, "_specmesh_int8", None) is not None for p in projs):
-            return False
-    return True
+    norms = ("input_layernorm", "post_attention_layernorm")
+    return lean.llama_shaped(model, lambda p: isinstance(p, torch.nn.Linear) and getattr(p, "_specmesh_routed", False),
+                             lambda layer: all(type(getattr(layer, n, None)).__name__ in NORMS for n in norms))
 
 
 class _Layer:

@@ -61,7 +61,8 @@ at::Tensor batch_rows(const at::Tensor& qs, const at::Tensor& k, const at::Tenso
 // rows[i] (a query row of q [1, H, n, D]) sees slots [0, lens[i]) of k, v, lens ascending: runs of
 // rows sharing floor(lens / width) in one call each (width 0: one call per row) -> out[rows[i]].
 void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& rows,
-                 const std::vector<int64_t>& lens, int64_t width, c10::optional<double> scale, bool fold, at::Tensor& out) {
+                 const std::vector<int64_t>& lens, int64_t width, c10::optional<double> scale, bool fold,
+                 at::Tensor& out) {
   const int64_t count = static_cast<int64_t>(rows.size());
   for (int64_t a = 0, b = 0; a < count; a = b) {
     for (b = a + 1; width > 0 && b < count && lens[b] / width == lens[a] / width; ++b) {
@@ -84,7 +85,8 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 void check_paths(const int64_t* op, const int64_t* pp, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t d = op[j + 1] - op[j];
-    TORCH_CHECK(d >= 1 && d <= n && pp[op[j] + d - 1] == j, "sdpa rows: a tree row's path holds 1 to n slots, itself last");
+    TORCH_CHECK(d >= 1 && d <= n && pp[op[j] + d - 1] == j,
+                "sdpa rows: a tree row's path holds 1 to n slots, itself last");
     for (int64_t p = 0; p < d; ++p) {
       const int64_t node = pp[op[j] + p];
       TORCH_CHECK(node >= 0 && node < n && op[node + 1] - op[node] == p + 1 &&
