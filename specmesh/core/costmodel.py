@@ -40,10 +40,7 @@ import math
 import threading
 from collections import deque
 
-# buckets: a one-token step, chains of k = 1..16, batches; 16 / 17 and 32 / 33 apart, since a
-# prepacked bf16 call of 17 rows costs ~20% more than one of 16 on an AMX Xeon (16-row tiles): as
-# one bucket, a 16-sequence step priced a 17th row free (docs/bench/engine.md#18)
-ROWS = (1, 2, 3, 5, 9, 16, 17, 32, 33, 65)
+ROWS = (1, 2, 3, 5, 9, 17, 33, 65)  # buckets: a one-token step, chains of k=1..16, a few batches
 RECENT = 4  # a bucket's shape learns when another bucket was among this many last observations
 
 

@@ -31,13 +31,6 @@ KPolicy keeps a_j per request (an exponential moving average over rounds, seeded
 drafter's global rates), probes one position beyond the chosen k now and then so the estimate of
 longer drafts does not starve, and moves k only when the new choice beats the current one by a
 margin (hysteresis: a share of one token per k = 0 round), so k does not flap on noise.
-
-A probe is priced like a draft (probe_chance): every probe_every-th round where it costs the
-forward's goodput nothing, less often where it does, so that the probes of all the sequences
-sharing a forward cost it at most PROBE_SHARE of its goodput on average. Unpriced, at 16
-sequences on an AMX Xeon, a block tree's probe every 16th round put 8 more rows into a 16-row
-step (past the 16-row AMX tile: ~+20% for all 16) and the tree ran at 0.91x AR with k = 0 in 94%
-of its rounds (docs/bench/round_policy.md#session-30).
 """
 
 from __future__ import annotations
@@ -60,19 +53,6 @@ SEEDS = {"draft_model": (0.8,) * 8}
 # trees accept 1.6-1.8 per round on MT-Bench, docs/bench/drafters.md); a little below, so trees
 # must earn it
 DEFAULT_TREE_SEED = 1.5
-PROBE_SHARE = 0.02  # the share of a forward's goodput all its sequences' probes may cost on average
-
-
-def probe_chance(every: int, loss: float, others: float) -> float:
-    """The chance per round of a probe (0: never): 1 / every where it costs nothing; where it
-    costs `loss` of the forward's goodput (a share of the rate at the k in force) beside `others`'
-    tokens, at most PROBE_SHARE / ((1 + others) loss), since each of the ~1 + others sequences of
-    the forward probes as often."""
-    if not every:
-        return 0.0
-    if loss <= 0:
-        return 1.0 / every
-    return min(1.0 / every, PROBE_SHARE / ((1.0 + others) * loss))
 
 
 def expected_tokens(rates: list[float], k: int) -> float:
@@ -121,11 +101,10 @@ class KPolicy:
     # a new k must beat the current one's goodput by this share of one token per k = 0 round: an
     # absolute margin, since beside B - 1 others every k's goodput is within a few % of the rest
     margin: float = 0.05
-    probe_every: int = 8  # at most every n-th round drafts one position more than chosen (probe_chance)
+    probe_every: int = 8  # every n-th round drafts one position more than chosen (if k_max allows)
     rates: list[float] = field(default_factory=list)
     k: int = -1  # the k in force (-1: none chosen yet)
     rounds: int = 0
-    credit: float = 0.0  # probe_chance summed over rounds: a probe when it reaches one
     history: dict[int, int] = field(default_factory=dict)  # chosen k -> rounds
 
     def __post_init__(self) -> None:
@@ -144,13 +123,8 @@ class KPolicy:
                 self.k = new
         k = self.k
         self.rounds += 1
-        if self.probe_every and k < cap:  # probe one position further so its rate keeps being measured
-            now = (others + expected_tokens(self.rates, k)) / cost(k + 1)
-            probe = (others + expected_tokens(self.rates, k + 1)) / cost(k + 2)
-            self.credit += probe_chance(self.probe_every, 1.0 - probe / now, others)
-            if self.credit >= 1.0 - 1e-9:
-                self.credit -= 1.0
-                k += 1
+        if self.probe_every and self.rounds % self.probe_every == 0 and k < cap:
+            k += 1  # probe one position further so its rate keeps being measured
         self.history[k] = self.history.get(k, 0) + 1
         return k
 

@@ -12,9 +12,8 @@ TreePolicy keeps E(n), an exponential moving average of emitted(n) per budget n 
 that maximises (others + E(n)) / T(B, n + 1), E(0) = 1 (no draft), as KPolicy does for a chain's
 k (core/goodput.py). A drafter's wait is the same for any n (one block forward), so it is in T
 for every n > 0. A choice moves only when the new n beats the one in force by a share of one
-token (hysteresis), and a probe drafts the whole budget, which measures every n at once: every
-probe_every-th round where that costs the forward's goodput nothing, less often where it does
-(goodput.probe_chance). Where each verified row costs ~10% of a step (float32 on a CPU without AMX, session
+token (hysteresis), and every probe_every-th round drafts the whole budget, which measures every
+n at once. Where each verified row costs ~10% of a step (float32 on a CPU without AMX, session
 19) the best budget can be 2-4 nodes when the whole tree does not pay; on a GPU, where 9 rows
 cost about one, the whole tree.
 """
@@ -24,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Callable
 
-from specmesh.core.goodput import DEFAULT_TREE_SEED, best_of, probe_chance, seed_curve
+from specmesh.core.goodput import DEFAULT_TREE_SEED, best_of, seed_curve
 
 
 def path_nodes(parents: list[int], draft: list[int], emitted: list[int]) -> list[int]:
@@ -57,7 +56,6 @@ class TreePolicy:
     expected: list[float] = field(default_factory=list)  # E(n) at index n - 1
     nodes: int = -1  # the budget in force (-1: none chosen yet)
     rounds: int = 0
-    credit: float = 0.0  # probe_chance summed over rounds: a probe when it reaches one
     history: dict[int, int] = field(default_factory=dict)  # nodes drafted -> rounds
 
     def __post_init__(self) -> None:
@@ -82,14 +80,8 @@ class TreePolicy:
             if new_rate - current > self.margin / cost(1):
                 self.nodes = new
         self.rounds += 1
-        used = self.nodes
-        if self.probe_every and used < self.budget:
-            now = (others + self.tokens(used)) / cost(used + 1)
-            whole = (others + self.tokens(self.budget)) / cost(self.budget + 1)
-            self.credit += probe_chance(self.probe_every, 1.0 - whole / now, others)
-            if self.credit >= 1.0 - 1e-9:
-                self.credit -= 1.0
-                used = self.budget
+        probe = bool(self.probe_every) and self.rounds % self.probe_every == 0
+        used = self.budget if probe else self.nodes
         self.history[used] = self.history.get(used, 0) + 1
         return used
 
