@@ -73,7 +73,14 @@ def test_extension_rejects_a_path_that_is_not_a_tree():
     flat, off = torch.tensor([0, 1, 0, 2, 1]), torch.tensor([0, 1, 3, 5])  # rows 0; 0 1; 2 1 (bad)
     with pytest.raises(RuntimeError, match="sdpa rows"):
         ext.sdpa_rows(q, k, v, 20, flat, off, None, False, 16, torch.empty(3, 9, 64, dtype=torch.bfloat16))
-    assert torch.equal(k, before), "checked before any slot moves"
+    # each path ends at its row, but row 3 claims parent 2 over a path (0 1) that is not row 2's (0 2)
+    q4, pool_k4, pool_v4 = _case(torch.bfloat16, 9, 3, 64, 20, 4, seed=2)
+    k4, v4 = pool_k4[None, :, :24], pool_v4[None, :, :24]
+    before4 = k4.clone()
+    flat4, off4 = torch.tensor([0, 0, 1, 0, 2, 0, 1, 2, 3]), torch.tensor([0, 1, 3, 5, 9])
+    with pytest.raises(RuntimeError, match="each ancestor's path a prefix"):
+        ext.sdpa_rows(q4, k4, v4, 20, flat4, off4, None, False, 16, torch.empty(4, 9, 64, dtype=torch.bfloat16))
+    assert torch.equal(k, before) and torch.equal(k4, before4), "checked before any slot moves"
 
 
 def test_extension_rejects_bad_shapes():

@@ -82,17 +82,18 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
 
 // A tree's paths as sdpa_rows takes them: row j's ends at j, and each of its entries at depth p is
 // a row whose own path is its first p + 1 entries (a prefix-closed tree in topological order).
+// Checked as each row's path being its parent's (the entry before itself) and then itself: by
+// induction every ancestor's path is then a prefix, in one comparison per row.
 void check_paths(const int64_t* op, const int64_t* pp, int64_t n) {
   for (int64_t j = 0; j < n; ++j) {
     const int64_t d = op[j + 1] - op[j];
     TORCH_CHECK(d >= 1 && d <= n && pp[op[j] + d - 1] == j,
                 "sdpa rows: a tree row's path holds 1 to n slots, itself last");
-    for (int64_t p = 0; p < d; ++p) {
-      const int64_t node = pp[op[j] + p];
-      TORCH_CHECK(node >= 0 && node < n && op[node + 1] - op[node] == p + 1 &&
-                  std::equal(pp + op[node], pp + op[node] + p + 1, pp + op[j]),
-                  "sdpa rows: a path names the tree's own rows, each ancestor's path a prefix of it");
-    }
+    if (d == 1) continue;
+    const int64_t parent = pp[op[j] + d - 2];
+    TORCH_CHECK(parent >= 0 && parent < n && op[parent + 1] - op[parent] == d - 1 &&
+                std::equal(pp + op[parent], pp + op[parent] + d - 1, pp + op[j]),
+                "sdpa rows: a path names the tree's own rows, each ancestor's path a prefix of it");
   }
 }
 
