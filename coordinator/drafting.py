@@ -61,7 +61,11 @@ class Drafting:
         step waits for it or leaves it out (one-step n-gram rounds: 0.82-0.95x AR at concurrency
         4-16, session 17, docs/bench/round_policy.md). Otherwise up to decode_steps plain steps while
         speculation is off or in a round the round policy chose k = 0 for (not with pre-drafts,
-        which guess the next round's context), else one."""
+        which guess the next round's context); a draft tree beside live others too (its tree in
+        the first step): a one-step round would come back while the others' bursts go on and
+        re-join them a step later, out of step from then on (the block tree at concurrency 4:
+        0.92x AR with one-step drafting rounds, the same rounds with k = 0 forced 0.95-1.07x,
+        docs/bench/round_policy.md#session-31); else one."""
         if self.decode_steps <= 1:
             return 1, None
         left = max(1, self.req.max_tokens - len(self.out.token_ids))
@@ -70,6 +74,8 @@ class Drafting:
         predrafting = (self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
                        and self._tier_up())
         if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):
+            return min(self.decode_steps, left), None
+        if draft.parents is not None and self.rounds.beside_others():
             return min(self.decode_steps, left), None
         return 1, None
 

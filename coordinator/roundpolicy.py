@@ -136,6 +136,10 @@ class RoundPolicy:
         policy = self._policy(method)
         return min(k, policy.k) if isinstance(policy, KPolicy) and policy.k >= 0 else k
 
+    def beside_others(self) -> bool:
+        """Whether this request's forwards are shared with live others (the cost model's view)."""
+        return self.cost is not None and self._others() >= 1
+
     def _others(self) -> float:
         return max(0.0, self.cost.mean_batch - 1, self.cost.live - 1)
 

@@ -104,10 +104,10 @@ class TargetEngine(ModelThread):
 
     def verify(self, seq_id: str, draft: DraftProposal, timeout: float | None = None,
                features: FeatureSpec | None = None, steps: int = 1, ngram: NgramBurst | None = None) -> VerifyOutcome:
-        """One round (steps 1) or a burst of `steps` target steps: the chain draft, if any, in the
-        first, then one-token steps, or steps drafting by prompt lookup (ngram)."""
-        if not 1 <= steps <= MAX_DRAFT_TOKENS or (steps > 1 and draft.parents is not None):
-            raise InvalidArgument("decode_steps", f"1..{MAX_DRAFT_TOKENS}, and more than 1 only for a chain or no draft")
+        """One round (steps 1) or a burst of `steps` target steps: the draft, if any (a chain or a
+        tree), in the first, then one-token steps, or steps drafting by prompt lookup (ngram)."""
+        if not 1 <= steps <= MAX_DRAFT_TOKENS:
+            raise InvalidArgument("decode_steps", f"1..{MAX_DRAFT_TOKENS}")
         _check_ngram(ngram)
         if len(draft.token_ids) > MAX_DRAFT_TOKENS:  # before the tree's [N+1, N+1] mask is built
             raise InvalidArgument("draft_token_ids", f"at most {MAX_DRAFT_TOKENS} draft tokens")

@@ -51,7 +51,7 @@ class VerifyJob:
     seq: Sequence
     draft: DraftProposal
     features: FeatureSpec | None = None
-    # steps > 1: a burst (VerifyRequest.decode_steps): the chain draft, if any, verified in the first
+    # steps > 1: a burst (VerifyRequest.decode_steps): the draft, if any (chain or tree), verified in the first
     # step, then one-token steps back to back, or with ngram steps that draft by prompt lookup
     steps: int = 1
     ngram: NgramBurst | None = None

@@ -1,7 +1,7 @@
 """Decode bursts (VerifyRequest.decode_steps): an AR round that asks for n tokens gets the same
 tokens as n rounds of one, batched with the other bursts step by step; a full KV pool ends a burst
-early, never fails it; a burst brings every step's features; a chain draft is verified in a
-burst's first step; a burst beside a draft tree or past the limit is refused."""
+early, never fails it; a burst brings every step's features; a chain draft or a draft tree is
+verified in a burst's first step; a burst past the limit is refused."""
 
 from __future__ import annotations
 
@@ -117,14 +117,44 @@ def test_a_burst_drafts_by_prompt_lookup_and_emits_what_single_steps_do(target_m
         engine.close()
 
 
-def test_bursts_are_refused_with_a_tree_or_past_the_limit(target_model):
+def test_bursts_are_refused_past_the_limit(target_model):
     engine = _engine(target_model)
     try:
         engine.prefill("a", PROMPTS[0], GREEDY)
-        for draft, steps in ((DraftProposal([5, 6], parents=[-1, -1]), 2), (DraftProposal([]), 65),
-                             (DraftProposal([]), 0)):
+        for steps in (65, 0):
             with pytest.raises(InvalidArgument, match="decode_steps"):
-                engine.verify("a", draft, steps=steps)
+                engine.verify("a", DraftProposal([]), steps=steps)
+    finally:
+        engine.close()
+
+
+def test_a_tree_is_verified_in_the_first_step_of_a_burst_with_its_path_features(target_model):
+    """steps with a draft tree: the first step verifies the tree (its accepted path + the target's
+    token), then one-token steps; the tokens are the target alone's, the cache keeps the path, and
+    the features are those of the same tree round followed by single steps, slot for slot."""
+    import torch
+
+    from specmesh.core.types import FeatureSpec
+
+    spec = FeatureSpec((1, 14), max_rows=4)
+    expected = _one_by_one(target_model, 12)[0]  # [first, t1, t2, ...]
+    # root -> t1 (right) -> t2 (right) and a wrong sibling of each; a wrong child of the wrong root
+    tree = DraftProposal([(expected[1] + 1) % 100, expected[1], (expected[2] + 1) % 100, expected[2], 7],
+                         parents=[-1, -1, 1, 1, 0])
+    engine = _engine(target_model)
+    try:
+        for seq in ("one", "burst"):
+            assert engine.prefill_outcome(seq, PROMPTS[0], GREEDY, features=spec).token == expected[0]
+        rounds = [engine.verify("one", tree, features=spec)] + [
+            engine.verify("one", DraftProposal([]), features=spec) for _ in range(3)]
+        burst = engine.verify("burst", tree, features=spec, steps=4)
+        assert burst.accepted == 2 and burst.tokens == expected[1:7] == [t for r in rounds for t in r.tokens]
+        assert burst.steps == [(5, 2), (0, 0), (0, 0), (0, 0)]
+        assert engine.cache_length("burst") == engine.cache_length("one") == len(PROMPTS[0]) + 6
+        assert burst.features.shape[0] == 6  # [pending, t1, t2] of the tree's step, then one a step
+        assert torch.equal(burst.features, torch.cat([r.features for r in rounds]))
+        # the cache holds the path: the next plain step is the target alone's
+        assert engine.verify("burst", DraftProposal([])).tokens == expected[7:8]
     finally:
         engine.close()
 

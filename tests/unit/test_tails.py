@@ -125,6 +125,51 @@ def test_a_draft_tier_dying_mid_request_uses_the_last_table_then_runs_the_target
     assert s.rounds > 40 // 3  # after the death most rounds emitted one token
 
 
+class BurstTreeTarget(TreeTarget):
+    """TreeTarget that sends a cheap verify cost model with `live` sequences in its forwards and
+    decodes `steps` steps a call (the draft, if any, in the first), as a target worker's burst."""
+
+    def __init__(self, live: int):
+        super().__init__()
+        self.live, self.calls = live, []  # calls: (draft nodes, steps) per Verify
+
+    def _cost(self):
+        return {"rows": [1, 9, 17], "seconds": [1.0, 1.02, 1.04], "mean_batch": 1.0, "live": self.live}
+
+    def prefill_outcome(self, *a, **kw):
+        return replace(super().prefill_outcome(*a, **kw), cost=self._cost())
+
+    def verify(self, seq_id, draft, timeout, features=None, steps=1):
+        self.calls.append((len(draft.token_ids), steps))
+        out = super().verify(seq_id, draft, timeout, features)
+        done = [(len(draft.token_ids), out.accepted)]
+        for _ in range(steps - 1):
+            more = super().verify(seq_id, DraftProposal([]), timeout, features)
+            out = replace(out, tokens=out.tokens + more.tokens, features=torch.cat([out.features, more.features]))
+            done.append((0, 0))
+        return replace(out, steps=done, cost=self._cost())
+
+
+@pytest.mark.parametrize("live", [4, 0])
+def test_beside_live_others_a_tree_round_is_a_burst_and_its_tables_stay_aligned(live):
+    """With others live in the target's forwards, a round that drafts its tree asks for the
+    decode_steps steps of a plain round (the tree in the first) and keeps in step with their
+    bursts; the next round's tail is then several positions past its table's anchor and still
+    drafts the right tokens (every tree accepted to its depth). Alone, a tree round is one step."""
+    target = BurstTreeTarget(live)
+    req = GenerationRequest(list(PROMPT), 40, SamplingParams(), "block", 2, request_id="r", tree_budget=4, k_max=4)
+    with ThreadPoolExecutor(2) as pool:
+        gen = Generation(req, target, TableDrafts(), type("Tok", (), {"decode": lambda self, ids, **kw: ""})(), {99},
+                         5.0, feature_spec=FeatureSpec((0, 1), W), tables=pool, decode_steps=4)
+        list(gen.run())
+    assert gen.out.token_ids == SCRIPT[:40]
+    drafting = [steps for nodes, steps in target.calls if nodes]
+    assert len(drafting) >= 3 and gen.stats.accepted_tokens >= len(drafting)
+    assert max(drafting) == (4 if live else 1) and (not live or all(s == 4 for s in drafting[:-1]))
+    s = gen.stats
+    assert s.accepted_per_position == s.drafted_per_position and s.draft_failures == 0
+
+
 def test_tails_offsets_and_drop():
     pool = ThreadPoolExecutor(1)
     tails = Tails(pool)
