@@ -63,8 +63,8 @@ class Drafting:
         speculation is off or in a round the round policy chose k = 0 for (not with pre-drafts,
         which guess the next round's context); a draft tree beside live others too (its tree in
         the first step): a one-step round would come back while the others' bursts go on and
-        re-join them a step later, out of step from then on (the block tree at concurrency 4:
-        0.92x AR with one-step drafting rounds, the same rounds with k = 0 forced 0.95-1.07x,
+        re-join them a step later, out of step from then on (the block tree at concurrency 4 on a
+        Zen 3: 0.85-0.92x AR with one-step drafting rounds, 0.99-1.04x as bursts, three A/B pairs,
         docs/bench/round_policy.md#session-31); else one."""
         if self.decode_steps <= 1:
             return 1, None
