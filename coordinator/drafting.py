@@ -75,8 +75,8 @@ class Drafting:
                        and self._tier_up())
         if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):
             return min(self.decode_steps, left), None
-        if draft.parents is not None and self.rounds.beside_others():
-            return min(self.decode_steps, left), None
+        if draft.parents is not None and self.rounds.beside_others():  # its path may take k of `left`
+            return max(1, min(self.decode_steps, left - k)), None
         return 1, None
 
     def _tier_up(self) -> bool:

@@ -150,24 +150,39 @@ class BurstTreeTarget(TreeTarget):
         return replace(out, steps=done, cost=self._cost())
 
 
+def _burst_generate(live: int, max_tokens: int) -> tuple[Generation, BurstTreeTarget]:
+    target = BurstTreeTarget(live)
+    req = GenerationRequest(list(PROMPT), max_tokens, SamplingParams(), "block", 2, request_id="r", tree_budget=4,
+                            k_max=4)
+    with ThreadPoolExecutor(2) as pool:
+        gen = Generation(req, target, TableDrafts(), type("Tok", (), {"decode": lambda self, ids, **kw: ""})(), {99},
+                         5.0, feature_spec=FeatureSpec((0, 1), W), tables=pool, decode_steps=4)
+        list(gen.run())
+    return gen, target
+
+
 @pytest.mark.parametrize("live", [4, 0])
 def test_beside_live_others_a_tree_round_is_a_burst_and_its_tables_stay_aligned(live):
     """With others live in the target's forwards, a round that drafts its tree asks for the
     decode_steps steps of a plain round (the tree in the first) and keeps in step with their
     bursts; the next round's tail is then several positions past its table's anchor and still
     drafts the right tokens (every tree accepted to its depth). Alone, a tree round is one step."""
-    target = BurstTreeTarget(live)
-    req = GenerationRequest(list(PROMPT), 40, SamplingParams(), "block", 2, request_id="r", tree_budget=4, k_max=4)
-    with ThreadPoolExecutor(2) as pool:
-        gen = Generation(req, target, TableDrafts(), type("Tok", (), {"decode": lambda self, ids, **kw: ""})(), {99},
-                         5.0, feature_spec=FeatureSpec((0, 1), W), tables=pool, decode_steps=4)
-        list(gen.run())
+    gen, target = _burst_generate(live, 40)
     assert gen.out.token_ids == SCRIPT[:40]
     drafting = [steps for nodes, steps in target.calls if nodes]
     assert len(drafting) >= 3 and gen.stats.accepted_tokens >= len(drafting)
     assert max(drafting) == (4 if live else 1) and (not live or all(s == 4 for s in drafting[:-1]))
     s = gen.stats
     assert s.accepted_per_position == s.drafted_per_position and s.draft_failures == 0
+
+
+def test_a_tree_burst_never_runs_past_max_tokens():
+    """A tree's accepted path counts in its burst: its steps leave room for the whole depth, so
+    the target never decodes past max_tokens, whatever the request's length."""
+    for max_tokens in range(20, 36):
+        gen, target = _burst_generate(4, max_tokens)
+        assert gen.out.token_ids == SCRIPT[:max_tokens]
+        assert target.emitted == max_tokens, max_tokens
 
 
 def test_tails_offsets_and_drop():
