@@ -139,7 +139,8 @@ class ModelThread:
                 break
             for i in running:
                 spec = jobs[i].ngram
-                done = taken[i] >= jobs[i].steps or (spec is not None and len(results[i].tokens) >= spec.max_tokens)
+                done = (taken[i] >= jobs[i].steps or (spec is not None and len(results[i].tokens) >= spec.max_tokens)
+                        or jobs[i].seq.kv.length >= self.context_window)  # the next step's token: past the window
                 if not done:  # the burst's next step: a prompt-lookup draft, or none
                     jobs[i] = dataclasses.replace(jobs[i], draft=self._next_draft(jobs[i], len(results[i].tokens)))
                     done = not jobs[i].draft.token_ids and not self._room_for(jobs[i].seq, 1)  # a draft has its room

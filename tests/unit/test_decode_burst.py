@@ -159,6 +159,21 @@ def test_a_tree_is_verified_in_the_first_step_of_a_burst_with_its_path_features(
         engine.close()
 
 
+def test_a_burst_stops_at_the_context_window(target_model):
+    """A burst whose first step verifies a draft never writes a later step's token past the model's
+    context window (the draft's accepted path counts), and its tokens are the target alone's."""
+    expected = _one_by_one(target_model, 12)[0]
+    engine = _engine(target_model)
+    try:
+        engine.context_window = len(PROMPTS[0]) + 5  # slots 0..7
+        assert engine.prefill("a", PROMPTS[0], GREEDY) == expected[0]
+        tree = DraftProposal([expected[1], expected[2]], parents=[-1, 0])  # both right: 3 tokens a step
+        out = engine.verify("a", tree, steps=10)
+        assert out.tokens == expected[1:6] and engine.cache_length("a") == engine.context_window
+    finally:
+        engine.close()
+
+
 def test_a_burst_brings_the_features_of_every_step(target_model):
     import torch
 
