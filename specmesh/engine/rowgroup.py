@@ -11,7 +11,7 @@ them when the two slot counts share floor(count / vector width). So rows grouped
 floor(slots / width) are bitwise their own calls, for a width that matches the kernel's vectors.
 
 That is a property of torch's kernel on this CPU (its vector width, its tail loops), so it is
-probed, never assumed: `width` tries WIDTHS, widest first, against the one-call-per-row loop on
+probed, never assumed: `width` tries WIDTHS (16 only since session 31), against the one-call-per-row loop on
 draws that round apart under any other order (a wide-range value per slot), at every slot count
 to 33 and across the kernel's 512-slot blocks, and keeps the first that is bitwise everywhere (0:
 none, one call per row). Decided once per shape, logged, kept by the probe cache. GPUs keep one
@@ -33,7 +33,10 @@ from specmesh.engine.rowprobe import _wide
 log = logging.getLogger(__name__)
 
 ENABLED = True  # False: one call per row (A/B and tests)
-WIDTHS = (16, 8)  # AVX-512's float vector, then AVX2's / torch's default
+# AVX-512's float vector. Not 8 (AVX2's): on a Zen 3 EPYC, bf16, 8 passed this probe while a wider
+# sweep (tests/unit/test_rowgroup.py: 40 cached slots, 5 rows, folded 9x3x64) found a row that
+# differs from its own call (session 31); such CPUs keep one call per row until that is understood
+WIDTHS = (16,)
 PROBE_LENGTHS = tuple(range(34)) + (255, 497, 503, 510, 1100)  # cached slots of the probe's verifies
 PROBE_ROWS = 17  # rows per probe verify: every group position under either width
 
