@@ -127,7 +127,7 @@ class RoundPolicy:
     def _in_step(self, method: str) -> bool:
         """Rounds take only ready pre-drafts (k) and pre-drafts have a time (predraft_budget_s): a
         draft model's, pre-drafted, beside live others. Needs a cost model (_policy)."""
-        return self.overlap and method in AUTOREGRESSIVE_DRAFTERS and self._others() >= 1
+        return self.overlap and method in AUTOREGRESSIVE_DRAFTERS and self.beside_others()
 
     def in_force(self, method: str, k: int) -> int:
         """This round's k without its probe (a goodput chain drafts one position further now and

@@ -121,7 +121,6 @@ class TargetEngine(ModelThread):
             if seq.kv.length + 1 + depth > self.context_window:
                 raise InvalidArgument("draft_token_ids", "round would run past the context window")
             seq.kv.ensure(seq.kv.length + 1 + len(draft.token_ids))  # Unavailable when the pool is full
-            steps = min(steps, self.context_window - seq.kv.length)
             return self._run_job("verify", VerifyJob(seq, draft, features, steps, ngram), timeout)
         finally:
             seq.busy = False
