@@ -6,10 +6,12 @@ they match it and appends the next script token, like chain verification at T=0.
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
+import torch
 
 from coordinator.loop import Chunk, Generation
 from specmesh.core.types import DraftProposal, GenerationRequest, SamplingParams, VerifyOutcome
@@ -84,6 +86,20 @@ class FakeDrafts:
 
     def release(self, seq_id):
         self.released.append(seq_id)
+
+
+def burst(verify_one, draft: DraftProposal, steps: int) -> tuple[VerifyOutcome, list[tuple[int, int]]]:
+    """A fake target's decode burst: verify_one(draft) in the first step, then steps - 1 plain
+    steps; their tokens (and features, where the steps return them) joined. -> (outcome, the
+    (drafted, accepted) of each step)."""
+    out = verify_one(draft)
+    done = [(len(draft.token_ids), out.accepted)]
+    for _ in range(steps - 1):
+        more = verify_one(DraftProposal([]))
+        feats = None if out.features is None else torch.cat([out.features, more.features])
+        out = dataclasses.replace(out, tokens=out.tokens + more.tokens, features=feats)
+        done.append((0, 0))
+    return out, done
 
 
 def request(max_tokens=10, k=4, method="ngram", stop=(), deadline=None):

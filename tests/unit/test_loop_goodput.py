@@ -7,7 +7,7 @@ import dataclasses
 
 from specmesh.core.goodput import RateBook
 from specmesh.core.types import DraftProposal, PrefillOutcome, VerifyOutcome
-from tests.unit.test_loop import PROMPT, SCRIPT, FakeDrafts, FakeTarget, FakeTokenizer, request
+from tests.unit.test_loop import PROMPT, SCRIPT, FakeDrafts, FakeTarget, FakeTokenizer, burst, request
 
 from coordinator.loop import Generation
 
@@ -219,11 +219,7 @@ class CostedBurstTarget(CostedTarget):
 
     def verify(self, seq_id, draft, timeout, steps=1):
         self.steps.append((len(draft.token_ids), steps))
-        out = super().verify(seq_id, draft, timeout)
-        for _ in range(steps - 1):
-            more = super().verify(seq_id, DraftProposal([]), timeout)
-            out = dataclasses.replace(out, tokens=out.tokens + more.tokens)
-        return out
+        return burst(lambda d: super(CostedBurstTarget, self).verify(seq_id, d, timeout), draft, steps)[0]
 
 
 def test_rounds_the_policy_switched_off_decode_in_bursts_trees_and_chains():

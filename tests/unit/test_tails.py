@@ -18,6 +18,7 @@ from specmesh.core.types import DraftProposal, FeatureSpec, GenerationRequest, P
 from specmesh.errors import InvalidArgument, Unavailable
 from specmesh.rpc.convert import candidates_from_pb, candidates_to_pb
 from tests.unit.test_block_worker import W, drafter, held_window, job, rows  # noqa: F401 - drafter: a fixture
+from tests.unit.test_loop import burst
 
 PROMPT = [1, 2, 3, 4, 5, 6, 7, 8]
 SCRIPT = [(i % 20) + 10 for i in range(100)]
@@ -141,12 +142,7 @@ class BurstTreeTarget(TreeTarget):
 
     def verify(self, seq_id, draft, timeout, features=None, steps=1):
         self.calls.append((len(draft.token_ids), steps))
-        out = super().verify(seq_id, draft, timeout, features)
-        done = [(len(draft.token_ids), out.accepted)]
-        for _ in range(steps - 1):
-            more = super().verify(seq_id, DraftProposal([]), timeout, features)
-            out = replace(out, tokens=out.tokens + more.tokens, features=torch.cat([out.features, more.features]))
-            done.append((0, 0))
+        out, done = burst(lambda d: super(BurstTreeTarget, self).verify(seq_id, d, timeout, features), draft, steps)
         return replace(out, steps=done, cost=self._cost())
 
 
