@@ -43,7 +43,7 @@ WIDTHS = (16,)
 # sweep then failed (session 32). 680 draws miss a 1% rate with odds of ~1 in 1,000; the probe
 # stops at its first difference and its result is kept (probecache), so a CPU pays it once.
 PROBE_LENGTHS = tuple(range(640)) + tuple(range(1008, 1048))
-PROBE_ROWS = 17  # rows per probe verify: every group position under either width
+PROBE_ROWS = 17  # rows per probe verify: every position of a 16-row group, and one past it
 
 _WIDTH: dict[tuple, int] = {}
 _LOCK = threading.Lock()
