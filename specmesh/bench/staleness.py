@@ -5,8 +5,10 @@ each continuation the drafter drafts one table from the target's features of pos
 draft worker does); a tree built from that table's rows m.. is what a round at anchor a + m gets
 from the table drafted m positions back (m = 0: a fresh table). The tool walks each such tree by
 the continuation and reports accepted drafts per round by staleness m and node budget, and each
-block position's top-1 / top-4 / top-8 accuracy. Forward time is not involved: this is the
-acceptance side of goodput only.
+block position's top-1 / top-4 / top-8 accuracy. With each tree it also walks the n-gram
+drafter's chain at the same anchor alone and merged into the tree (shared prefixes share nodes):
+what a round drafting both at once would accept, the n-gram's nodes on top of the budget. Forward
+time is not involved: this is the acceptance side of goodput only.
 
     python -m specmesh.bench.staleness --limit 24 --samples /tmp/greedy.jsonl --out staleness.json
 """
@@ -20,7 +22,8 @@ from pathlib import Path
 
 import torch
 
-from specmesh.core.tree import build_tree, walk_tree
+from specmesh.core.ngram import propose_ngram
+from specmesh.core.tree import DraftTree, build_tree, walk_tree
 
 BUDGETS = (1, 2, 4, 8)
 STALE = (0, 1, 2, 3)
@@ -31,6 +34,22 @@ def accepted(tree, truth: list[int]) -> int:
     depth = [0] + tree.depths()  # by verify-input index: 0 = the root (the pending token)
     path, _ = walk_tree(tree.tokens, tree.parents, lambda j: truth[depth[j]] if depth[j] < len(truth) else -1)
     return len(path) - 1
+
+
+def merged(tree: DraftTree, chain: list[int]) -> DraftTree:
+    """tree with a chain from the root merged in: each chain token takes the child of the node
+    before it that carries it, else becomes a new node (score -inf: not the drafter's)."""
+    tokens, parents, scores = list(tree.tokens), list(tree.parents), list(tree.scores)
+    node = -1  # -1: the root
+    for tok in chain:
+        child = next((i for i, p in enumerate(parents) if p == node and tokens[i] == tok), None)
+        if child is None:
+            tokens.append(tok)
+            parents.append(node)
+            scores.append(float("-inf"))
+            child = len(tokens) - 1
+        node = child
+    return DraftTree(tokens, parents, scores)
 
 
 def tables(drafter, feats: torch.Tensor, ids: list[int], anchors: list[int], width: int) -> dict:
@@ -50,12 +69,13 @@ def tables(drafter, feats: torch.Tensor, ids: list[int], anchors: list[int], wid
     return out
 
 
-def measure(samples: list[dict], model, drafter) -> dict:
+def measure(samples: list[dict], model, drafter, ngram: tuple[int, int, int] = (8, 1, 4)) -> dict:
+    """ngram: (k, min_n, max_n) of the n-gram chain walked alone and merged into each tree."""
     from specmesh.drafters.features import extract_target_features
 
     depth = drafter.cfg.block_size - 1
-    got = {(m, n): [0, 0] for m in STALE for n in BUDGETS}
-    hits, positions = torch.zeros(depth, 3), 0
+    got = {(m, n, ng): [0, 0] for m in STALE for n in BUDGETS for ng in (False, True)}
+    alone, hits, positions = [0, 0], torch.zeros(depth, 3), 0
     for s in samples:
         ids, start = s["prompt_ids"] + s["output_ids"], len(s["prompt_ids"])
         with torch.no_grad():
@@ -69,18 +89,26 @@ def measure(samples: list[dict], model, drafter) -> dict:
                 row, t = tok[d].tolist(), ids[a + 1 + d]
                 hits[d] += torch.tensor([t == row[0], t in row[:4], t in row], dtype=torch.float32)
             positions += 1
+            truth, chain = ids[a + 1: a + 1 + max(depth, ngram[0])], propose_ngram(ids[:a + 1], *ngram)
+            alone[0] += accepted(DraftTree(chain, list(range(-1, len(chain) - 1)), []), truth)
+            alone[1] += 1
             for m in STALE:
                 if a - m < start or m >= depth:
                     continue
                 lp, tok = table[a - m][0][m:], table[a - m][1][m:]
                 for n in BUDGETS:
-                    acc = accepted(build_tree(lp, tok, n), ids[a + 1: a + 1 + depth])
-                    got[(m, n)][0] += acc
-                    got[(m, n)][1] += 1
+                    tree = build_tree(lp, tok, n)
+                    for ng, walked in ((False, tree), (True, merged(tree, chain))):
+                        got[(m, n, ng)][0] += accepted(walked, truth[:depth] if not ng else truth)
+                        got[(m, n, ng)][1] += 1
         print(f"staleness: {s['prompt_id']}", file=sys.stderr, flush=True)
-    return {"accepted_per_round": {f"stale {m}": {f"{n} nodes": round(got[(m, n)][0] / max(1, got[(m, n)][1]), 3)
-                                                  for n in BUDGETS} for m in STALE},
-            "rounds": got[(0, 1)][1],
+
+    def per_round(ng: bool) -> dict:
+        return {f"stale {m}": {f"{n} nodes": round(got[(m, n, ng)][0] / max(1, got[(m, n, ng)][1]), 3)
+                               for n in BUDGETS} for m in STALE}
+    return {"accepted_per_round": per_round(False), "accepted_per_round_ngram_merged": per_round(True),
+            "accepted_per_round_ngram_alone": round(alone[0] / max(1, alone[1]), 3), "ngram": list(ngram),
+            "rounds": alone[1],
             "position_accuracy_top1_top4_top8": [[round(float(x) / max(1, positions), 3) for x in h] for h in hits]}
 
 
@@ -110,9 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     drafter = load_drafter(path, peer.model.model.embed_tokens, peer.model.lm_head,
                            dtype=peer.model.lm_head.weight.dtype)
     doc = {"command": "python -m specmesh.bench.staleness " + command_line().split(" ", 1)[-1], "dataset": args.dataset, "prompts": len(samples),
-           "max_tokens": args.max_tokens, "machine": machine_info(), **measure(samples, peer.model, drafter)}
+           "max_tokens": args.max_tokens, "machine": machine_info(),
+           **measure(samples, peer.model, drafter, (cfg.speculative.goodput_k_max, cfg.draft_worker.ngram.min_n,
+                                                   cfg.draft_worker.ngram.max_n))}
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
-    print(json.dumps({k: doc[k] for k in ("accepted_per_round", "position_accuracy_top1_top4_top8")}, indent=1))
+    print(json.dumps({k: doc[k] for k in ("accepted_per_round", "accepted_per_round_ngram_merged",
+                                          "accepted_per_round_ngram_alone", "position_accuracy_top1_top4_top8")},
+                     indent=1))
     return 0
 
 

@@ -263,3 +263,18 @@ def test_the_staleness_bench_walks_a_tree_by_depth():
     assert accepted(tree, [5, 8, 1]) == 2
     assert accepted(tree, [6, 7, 9]) == 0
     assert accepted(tree, [1, 7, 9]) == 0
+
+
+def test_the_staleness_bench_merges_an_ngram_chain_into_a_tree():
+    from specmesh.bench.staleness import accepted, merged
+
+    logq = torch.tensor([[-0.1, -2.0], [-0.2, -1.0], [-0.3, -3.0]])
+    toks = torch.tensor([[5, 6], [7, 8], [9, 4]])
+    tree = build_tree(logq, toks, 5)  # [5, 7, 9, 8, 9] under [-1, 0, 1, 0, 3]
+    both = merged(tree, [5, 8, 3, 2])  # shares 5 and 8, then 3 under 8 and 2 under 3
+    assert (both.tokens, both.parents) == ([5, 7, 9, 8, 9, 3, 2], [-1, 0, 1, 0, 3, 3, 5])
+    assert both.scores[:5] == tree.scores and both.scores[5:] == [float("-inf")] * 2
+    assert accepted(both, [5, 8, 3, 2, 1]) == 4  # the chain's path, past the tree
+    assert accepted(both, [5, 7, 9, 1]) == 3  # the tree's own path is untouched
+    assert accepted(merged(tree, [6, 1]), [6, 1, 0]) == 2  # a chain no tree node starts: a new root branch
+    assert merged(tree, []) == tree and merged(tree, [5, 7, 9]) == tree  # nothing new: the tree as it was
