@@ -24,6 +24,7 @@ import torch
 
 from specmesh.core.ngram import propose_ngram
 from specmesh.core.tree import DraftTree, build_tree, walk_tree
+from specmesh.core.treepolicy import path_nodes
 
 BUDGETS = (1, 2, 4, 8)
 STALE = (0, 1, 2, 3)
@@ -37,18 +38,16 @@ def accepted(tree, truth: list[int]) -> int:
 
 
 def merged(tree: DraftTree, chain: list[int]) -> DraftTree:
-    """tree with a chain from the root merged in: each chain token takes the child of the node
-    before it that carries it, else becomes a new node (score -inf: not the drafter's)."""
+    """tree with a chain from the root merged in: the chain's prefix the tree already holds shares
+    its nodes; the rest hangs below them as new nodes (score -inf: not the drafter's)."""
+    shared = path_nodes(tree.parents, tree.tokens, chain)
     tokens, parents, scores = list(tree.tokens), list(tree.parents), list(tree.scores)
-    node = -1  # -1: the root
-    for tok in chain:
-        child = next((i for i, p in enumerate(parents) if p == node and tokens[i] == tok), None)
-        if child is None:
-            tokens.append(tok)
-            parents.append(node)
-            scores.append(float("-inf"))
-            child = len(tokens) - 1
-        node = child
+    node = shared[-1] if shared else -1  # -1: the root
+    for tok in chain[len(shared):]:
+        tokens.append(tok)
+        parents.append(node)
+        scores.append(float("-inf"))
+        node = len(tokens) - 1
     return DraftTree(tokens, parents, scores)
 
 
@@ -99,7 +98,7 @@ def measure(samples: list[dict], model, drafter, ngram: tuple[int, int, int] = (
                 for n in BUDGETS:
                     tree = build_tree(lp, tok, n)
                     for ng, walked in ((False, tree), (True, merged(tree, chain))):
-                        got[(m, n, ng)][0] += accepted(walked, truth[:depth] if not ng else truth)
+                        got[(m, n, ng)][0] += accepted(walked, truth)
                         got[(m, n, ng)][1] += 1
         print(f"staleness: {s['prompt_id']}", file=sys.stderr, flush=True)
 
