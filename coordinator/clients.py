@@ -76,7 +76,8 @@ class GrpcTargetClient:
         dense, sparse = probs_to_wire(draft.probs)
         req = pb.VerifyRequest(seq_id=seq_id, draft_token_ids=draft.token_ids, draft_probs=dense,
                                draft_sparse_probs=sparse, vocab_size=vocab, draft_parents=draft.parents or [],
-                               decode_steps=steps if steps > 1 else 0, ngram_burst=ngram_burst_to_pb(ngram))
+                               decode_steps=steps if steps > 1 else 0, ngram_burst=ngram_burst_to_pb(ngram),
+                               draft_accept=draft.accept or [])
         if features is not None:
             req.return_features.CopyFrom(feature_request_to_pb(features))
         try:
@@ -84,7 +85,7 @@ class GrpcTargetClient:
         except grpc.RpcError as err:
             self._raise(err)
         return VerifyOutcome(resp.accepted, list(resp.token_ids), resp.bonus, features_from_pb(resp.features),
-                             cost_from_pb(resp.verify_cost), burst_steps_from_pb(resp))
+                             cost_from_pb(resp.verify_cost), burst_steps_from_pb(resp), resp.trimmed_tokens)
 
     def release(self, seq_id: str) -> None:
         try:

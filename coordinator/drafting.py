@@ -70,7 +70,8 @@ class Drafting:
             return 1, None
         left = max(1, self.req.max_tokens - len(self.out.token_ids))
         if self.lookup is not None and self.method == "ngram" and self.method in self.local:
-            return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left)
+            return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left,
+                                                 rates=self.rounds.rates(self.method))
         predrafting = (self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
                        and self._tier_up())
         if self.method == "off" or (self._chose_zero and not draft.token_ids and not predrafting):

@@ -24,6 +24,8 @@ verified by the target in one forward.
 
 from __future__ import annotations
 
+import dataclasses
+
 import logging
 import time
 import uuid
@@ -150,6 +152,8 @@ class Generation(Drafting):
         draft_s, started = self.stats.draft_time_s, time.monotonic()
         k = self._k_this_round()
         draft = self._draft(k)
+        if draft.parents is None and draft.token_ids and draft.accept is None:  # the target may trim it
+            draft = dataclasses.replace(draft, accept=self.rounds.accept(self._key, len(draft.token_ids)))
         self._overlap(self.req.prompt_ids + self.out.token_ids, draft)
         t0 = time.monotonic()
         try:
@@ -168,6 +172,7 @@ class Generation(Drafting):
         finally:
             self.stats.verify_time_s += time.monotonic() - t0
         self.rounds.take_cost(outcome.cost)
+        draft = self._verified(draft, outcome)
         self.rounds.learn(self._key, draft, outcome.accepted,
                           None if self._predrafted else self.stats.draft_time_s - draft_s, emitted=outcome.tokens)
         self.rounds.observe(self.method, bool(draft.token_ids), time.monotonic() - started, len(outcome.tokens))
@@ -180,6 +185,15 @@ class Generation(Drafting):
                 self.observer(self.method, drafted, accepted, accepted + 1,
                               self.stats.draft_time_s - draft_s if i == 0 else 0.0, took)
         return outcome.tokens
+
+    def _verified(self, draft: DraftProposal, outcome) -> DraftProposal:
+        """The part of a chain draft the target verified: beside others it may verify a prefix
+        (core/trim.py; its first step's drafted count says how much). The rest was not tried:
+        no evidence for the acceptance rates."""
+        self.stats.trimmed_tokens += outcome.trimmed
+        if draft.parents is None and outcome.steps and outcome.steps[0][0] < len(draft.token_ids):
+            return draft.head(outcome.steps[0][0])
+        return draft
 
     def _record(self, draft: DraftProposal, outcome) -> list[tuple[int, int]]:
         """Stats of each target step of the call (a burst: several); the steps after the first

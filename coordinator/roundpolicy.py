@@ -10,6 +10,7 @@ from specmesh.core.costmodel import VerifyCost
 from specmesh.core.goodput import KPolicy, RateBook, shared_cycle_s, skip_beats_drafting
 from specmesh.core.pace import PROBE_ROUNDS
 from specmesh.core.treepolicy import TreePolicy, emitted_by_budget, path_nodes
+from specmesh.core.trim import cumulative
 from specmesh.core.types import DraftProposal
 
 
@@ -80,8 +81,10 @@ class RoundPolicy:
         def wait(q: int) -> float:  # for the q - 1 drafts of q positions, less those ready
             return 0.0 if q - 1 <= ready else draft_s * (q - 1 - ready) if per_token else draft_s
 
+        batch = others + 1  # the forward's sequences, this one included
+
         def seconds(q: int) -> float:
-            return self.cost.estimate(rows + q) + wait(q)
+            return self.cost.estimate(rows + q, batch) + wait(q)
 
         if isinstance(policy, TreePolicy):  # n nodes, at most fixed_k deep
             self.nodes = policy.choose(seconds, tokens)
@@ -96,11 +99,12 @@ class RoundPolicy:
         if per_token and others >= 1 and draft_s > 0:
             # beside live others, a round waiting for its draft leaves the target to them meanwhile:
             # the wait costs this sequence its share of the forwards, not everyone's (shared_cycle_s)
-            return policy.choose(lambda q: shared_cycle_s(self.cost.estimate, others + 1, q, wait(q)), limit=limit)
+            return policy.choose(lambda q: shared_cycle_s(lambda r: self.cost.estimate(r, r / q), batch, q, wait(q)),
+                                 limit=limit)
         k = policy.choose(seconds, limit=limit, others=tokens)
         if self.overlap and per_token and ready == 0 and not coming and draft_s > 0:
             fit = self.predraft_tokens(method, 1)  # what the draft tier drafts during a plain step
-            if fit and skip_beats_drafting(policy.rates, lambda q: self.cost.estimate(rows + q), k, draft_s,
+            if fit and skip_beats_drafting(policy.rates, lambda q: self.cost.estimate(rows + q, batch), k, draft_s,
                                            fit - 1, tokens):
                 return 0  # no wait now: this round's pre-draft makes the next one free
         return k
@@ -112,7 +116,7 @@ class RoundPolicy:
         draft_s = self.draft_s.get(method, 0.0)
         if method not in AUTOREGRESSIVE_DRAFTERS or draft_s <= 0 or self.cost is None or not self.cost.table:
             return None
-        return max(2, min(self.k_max + 1, round(self.cost.estimate(self._beside()[0] + q) / draft_s)))
+        return max(2, min(self.k_max + 1, round(self._forward_s(q) / draft_s)))
 
     def predraft_budget_s(self, method: str, q: int) -> float | None:
         """Beside live others, where rounds take only what is drafted already (k), a pre-draft is
@@ -122,7 +126,11 @@ class RoundPolicy:
         recently packed (_beside), as in the round's own estimate."""
         if self._policy(method) is None or not self._in_step(method):
             return None
-        return self.cost.estimate(self._beside()[0] + q)
+        return self._forward_s(q)
+
+    def _forward_s(self, q: int) -> float:
+        """Seconds of the forward verifying q positions of this request beside the others' rows."""
+        return self.cost.estimate(self._beside()[0] + q, self._others() + 1)
 
     def _in_step(self, method: str) -> bool:
         """Rounds take only ready pre-drafts (k) and pre-drafts have a time (predraft_budget_s): a
@@ -135,6 +143,17 @@ class RoundPolicy:
         costs one step's row, not every step's. k itself where goodput does not choose k."""
         policy = self._policy(method)
         return min(k, policy.k) if isinstance(policy, KPolicy) and policy.k >= 0 else k
+
+    def accept(self, method: str, n: int) -> list[float] | None:
+        """p_1..p_n of a chain of n drafts from this request's a_j: what the target trims a draft
+        by beside others (core/trim.py); None where goodput does not choose k."""
+        rates = self.rates(method)
+        return cumulative(rates, n) if rates and n > 0 else None
+
+    def rates(self, method: str) -> tuple[float, ...]:
+        """This request's a_j for a chain drafter (empty where goodput does not choose k)."""
+        policy = self.policies.get(method)
+        return tuple(policy.rates) if isinstance(policy, KPolicy) and self._policy(method) is policy else ()
 
     def beside_others(self) -> bool:
         """Whether this request's forwards are shared with live others (the cost model's view)."""

@@ -332,11 +332,16 @@ class TargetWorkerConfig:
     # a verify batch waits up to this fraction of the last verify forward for the sequences between
     # two rounds, so concurrent requests share one forward instead of trailing into the next; 0: off
     batch_gather: float = 0.3
+    # beside other sequences, verify of each chain draft only the prefix the whole forward does
+    # best with, from the p_i its coordinator sends (specmesh/core/trim.py); false (default):
+    # as drafted (measured: docs/bench/round_policy.md#session-34)
+    draft_trim: bool = False
 
     def validate(self, key: str) -> None:
         _check_address(self.listen, f"{key}.listen")
         _check(self.max_batch_size >= 1, f"{key}.max_batch_size", "must be >= 1")
         _check(0 <= self.batch_gather <= 2, f"{key}.batch_gather", "must be in [0, 2]")
+        _check(isinstance(self.draft_trim, bool), f"{key}.draft_trim", "must be true or false")
         self.cache.validate(f"{key}.cache")
         _check(self.batch_invariant in (True, False, "auto", "own"), f"{key}.batch_invariant",
                "must be true, false, own or auto")

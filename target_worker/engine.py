@@ -45,7 +45,7 @@ def resolve_batch_invariant(model, setting: bool | str) -> int:
 class TargetEngine(ModelThread):
     def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float,
                  max_queue: int = 1024, batch_invariant: bool | str = False, cpu_kernel: bool | str = "auto",
-                 batch_gather: float = 0.0, attention_fold: bool | str = "auto"):
+                 batch_gather: float = 0.0, attention_fold: bool | str = "auto", draft_trim: bool = False):
         # cpu_kernel: float32 linears of a step from packed weights (specmesh/engine/cpu_gemm.py)
         # where it builds and runs; batch_invariant: verify with one-token kernels and prefill
         # unpacked, so the output is bitwise the target alone's whatever the batch (rowexact.py);
@@ -75,6 +75,8 @@ class TargetEngine(ModelThread):
         # batch_gather: a verify batch waits up to this fraction of the last verify forward for the
         # sequences between two rounds (their callers are turning a result into the next round)
         self.batch_gather, self._last_verify_s = batch_gather, 0.0
+        self.draft_trim = draft_trim  # beside others, chains verified as far as the batch gains (core/trim.py)
+        self.trimmed_tokens = 0  # drafts left unverified so (metrics)
         self.batcher = Batcher(self._run_batch, max_batch_size, max_queue=max_queue, name="target-batcher",
                                gather=self._gather if batch_gather > 0 else None, streaming=True)
         self.last_batch_sizes: list[int] = []

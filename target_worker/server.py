@@ -52,7 +52,8 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
         self._check_draft_size(request)
         draft = proposal_from_pb(request.draft_token_ids, request.draft_probs, request.vocab_size,
                                  request.draft_parents,
-                                 sparse=request.draft_sparse_probs if request.HasField("draft_sparse_probs") else None)
+                                 sparse=request.draft_sparse_probs if request.HasField("draft_sparse_probs") else None,
+                                 accept=request.draft_accept)
         features = feature_request_from_pb(request)
         with self._slot(context):
             out = self.engine.verify(request.seq_id, draft, timeout=context.time_remaining(), features=features,
@@ -64,7 +65,7 @@ class TargetWorkerServicer(pb_grpc.TargetWorkerServicer):
                                  features=features_to_pb(out.features),
                                  verify_cost=cost_to_pb(self._cost()),
                                  step_drafted=[d for d, _ in out.steps or ()],
-                                 step_accepted=[a for _, a in out.steps or ()])
+                                 step_accepted=[a for _, a in out.steps or ()], trimmed_tokens=out.trimmed)
 
     def _cost(self) -> dict:
         """The verify cost model as sent: the table, the mean batch and the live sequences now."""
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
                           max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant,
                           cpu_kernel=wcfg.cpu_kernel, batch_gather=wcfg.batch_gather,
-                          attention_fold=wcfg.attention_fold)
+                          attention_fold=wcfg.attention_fold, draft_trim=wcfg.draft_trim)
     param = next(model.parameters())
     log.info("target %s (%s) loaded: %s on %s, KV pool %d tokens (%.1f MB), CPU verify kernel %s (%.1f MB packed), "
              "batch_invariant %s -> %s%s", model_dir, model_fingerprint(model_dir) or "no manifest", dtype_name(param.dtype), param.device, engine.pool.max_tokens,

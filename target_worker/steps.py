@@ -19,6 +19,7 @@ from specmesh.core.costmodel import ROWS as COST_ROWS
 from specmesh.core.ngram import propose_ngram
 from specmesh.core.rejection import verify as verify_round
 from specmesh.core.tree import tree_layout, verify_tree
+from specmesh.core.trim import cumulative, keep_counts
 from specmesh.core.types import DraftProposal, FeatureSpec, NgramBurst, PrefillOutcome, SamplingParams, VerifyOutcome
 from specmesh.engine.kv import StepOutput, batched_step
 from specmesh.engine.pool import SequenceKV
@@ -59,8 +60,8 @@ class VerifyJob:
 
 class ModelThread:
     """The forwards of a TargetEngine, run on its model thread. Uses the engine's model,
-    batch_invariant, row_exact, pool, vocab_size, cost, last_batch_sizes, _last_verify_s and
-    _job_done."""
+    batch_invariant, row_exact, pool, vocab_size, cost, last_batch_sizes, _last_verify_s,
+    draft_trim, trimmed_tokens and _job_done."""
 
     def _run_batch(self, kind: str, jobs: list, stream=None) -> list:
         jobs = list(jobs)  # verify steps append the jobs that join mid-batch
@@ -96,7 +97,42 @@ class ModelThread:
         finally:
             kv.release()
         self.cost.seed(measured)
+        self._measure_batches(ids, repeats)
         return self.cost.as_dict()
+
+    def _measure_batches(self, ids: list[int], repeats: int, context: int = 32, extra: int = 2) -> None:
+        """Seed the cost model's batches (costmodel.BATCHES 4 and 16): a forward of B sequences of
+        `context` tokens at one row each, and at 1 + extra rows each (the per-extra-row slope).
+        Skipped where the pool has no room for them (tests' small pools)."""
+        steps, slopes = {}, {}
+        for batch in (4, 16):
+            kvs = []
+            try:
+                for _ in range(batch):
+                    kvs.append(self.pool.allocate(context + extra + 2))
+            except Unavailable:
+                break
+            finally:
+                if len(kvs) < batch:
+                    for kv in kvs:
+                        kv.release()
+            try:
+                batched_step(self.model, kvs, [ids[:context]] * batch, logits_rows=[[context - 1]] * batch)
+                for kv in kvs:
+                    kv.commit(context)
+                seconds = []
+                for rows in (1, 1 + extra):
+                    times = []
+                    for _ in range(repeats + 1):  # the first is a warm-up
+                        t0 = time.perf_counter()
+                        batched_step(self.model, kvs, [ids[:rows]] * batch, row_exact=self.row_exact)
+                        times.append(time.perf_counter() - t0)
+                    seconds.append(min(times[1:]))
+                steps[batch], slopes[batch] = seconds[0], max(0.0, seconds[1] - seconds[0]) / (batch * extra)
+            finally:
+                for kv in kvs:
+                    kv.release()
+        self.cost.seed_batches(steps, slopes)
 
 
     def _run_prefill(self, jobs: list[PrefillJob], hidden: tuple[int, ...] = ()) -> list[PrefillOutcome]:
@@ -132,9 +168,10 @@ class ModelThread:
         running = list(range(len(jobs)))
         while running:
             self.last_batch_sizes = (self.last_batch_sizes + [len(running)])[-256:]  # sequences per forward
+            cut = self._trim(jobs, running) if self.draft_trim and len(running) > 1 else {}
             outs = self._verify_step([jobs[i] for i in running], _hidden([jobs[i] for i in running]))
             for i, out in zip(running, outs):
-                results[i], taken[i] = _joined(results[i], out, len(jobs[i].draft.token_ids)), taken[i] + 1
+                results[i], taken[i] = _joined(results[i], out, len(jobs[i].draft.token_ids), cut.get(i, 0)), taken[i] + 1
             if stream is None:  # not streaming: the first step's answer for every job
                 break
             for i in running:
@@ -158,6 +195,24 @@ class ModelThread:
             running = left + list(range(len(jobs) - len(joined), len(jobs)))
         return results
 
+    def _trim(self, jobs: list[VerifyJob], running: list[int]) -> dict[int, int]:
+        """Beside others: each chain draft with p_i cut to the prefix the whole forward does best
+        with (core/trim.py), priced by this worker's cost model; jobs[i] replaced in place.
+        Returns {i: drafts cut}."""
+        accept = [jobs[i].draft.accept if jobs[i].draft.parents is None and jobs[i].draft.token_ids else None
+                  for i in running]
+        if not any(accept):
+            return {}
+        rows = sum(1 + (len(jobs[i].draft.token_ids) if a is None else 0) for i, a in zip(running, accept))
+        keep = keep_counts(accept, rows, float(len(running)), lambda r: self.cost.estimate(r, len(running)))
+        cut = {}
+        for i, n in zip(running, keep):
+            if n is not None and n < len(jobs[i].draft.token_ids):
+                cut[i] = len(jobs[i].draft.token_ids) - n
+                jobs[i] = dataclasses.replace(jobs[i], draft=jobs[i].draft.head(n))
+        self.trimmed_tokens += sum(cut.values())
+        return cut
+
     def _next_draft(self, job: VerifyJob, emitted: int) -> DraftProposal:
         """A burst's next step's draft: with job.ngram, up to k tokens by prompt lookup over the
         sequence's tokens, within the burst's max_tokens and the context window; else none. A
@@ -169,7 +224,7 @@ class ModelThread:
         toks = propose_ngram(seq.tokens, k, spec.min_n, spec.max_n) if k > 0 else []
         if not toks or not self._room_for(seq, 1 + len(toks)):
             return NO_DRAFT
-        return DraftProposal(toks)
+        return DraftProposal(toks, accept=cumulative(spec.rates, len(toks)) if spec.rates else None)
 
     @staticmethod
     def _room_for(seq: Sequence, rows: int) -> bool:
@@ -216,13 +271,15 @@ def _hidden(jobs: list) -> tuple[int, ...]:
     return tuple(sorted({layer + 1 for j in jobs if j.features for layer in j.features.layers}))
 
 
-def _joined(first: VerifyOutcome | None, more: VerifyOutcome, drafted: int) -> VerifyOutcome:
-    """A burst's outcome so far followed by its next step's, which verified `drafted` tokens."""
+def _joined(first: VerifyOutcome | None, more: VerifyOutcome, drafted: int, cut: int = 0) -> VerifyOutcome:
+    """A burst's outcome so far followed by its next step's, which verified `drafted` tokens
+    (`cut` more were drafted and trimmed, core/trim.py)."""
     step = [(drafted, more.accepted)]
     if first is None:
-        return dataclasses.replace(more, steps=step)
+        return dataclasses.replace(more, steps=step, trimmed=cut)
     feats = None if more.features is None else torch.cat([first.features, more.features])
-    return dataclasses.replace(first, tokens=first.tokens + more.tokens, features=feats, steps=first.steps + step)
+    return dataclasses.replace(first, tokens=first.tokens + more.tokens, features=feats, steps=first.steps + step,
+                               trimmed=first.trimmed + cut)
 
 
 def _features(out: StepOutput, hidden: tuple[int, ...], spec: FeatureSpec | None,

@@ -200,6 +200,15 @@ def predrafts(records: list[RequestRecord]) -> dict | None:
             "waited_share": sum(int(s.get("draft_waits", 0)) for s in spec) / max(1, rounds)}
 
 
+def trimmed_share(records: list[RequestRecord]) -> float | None:
+    """Share of the drafted tokens the target left unverified beside others (core/trim.py):
+    trimmed / (verified drafts + trimmed); None where nothing was drafted."""
+    spec = [r.spec for r in records if r.spec]
+    cut = sum(int(s.get("trimmed_tokens", 0)) for s in spec)
+    drafted = sum(int(s.get("drafted_tokens", 0)) for s in spec) + cut
+    return cut / drafted if drafted else None
+
+
 def aggregate(records: list[RequestRecord], wall_s: float) -> dict:
     """The metrics of one run: throughput over wall_s, latency percentiles (ms), acceptance."""
     ok = [r for r in records if r.ok]
@@ -224,6 +233,7 @@ def aggregate(records: list[RequestRecord], wall_s: float) -> dict:
         "acceptance_by_category": acceptance_by_category(ok) if spec_like else {},
         "time_fraction": time_fractions(ok),
         "predraft": predrafts(ok),
+        "trimmed_share": trimmed_share(ok),
         "draft_failures": sum(int(r.spec.get("draft_failures", 0)) for r in ok if r.spec),
         "tier_down_rounds": sum(int(r.spec.get("tier_down_rounds", 0)) for r in ok if r.spec),
     }

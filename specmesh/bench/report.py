@@ -115,6 +115,8 @@ def acceptance_section(doc: dict) -> list[str]:
         if ks:
             zero = ks.get("0", 0) / max(1, sum(ks.values()))
             chosen = "; chosen k {" + " ".join(f"{k}:{v}" for k, v in ks.items()) + f"}} (k = 0 in {zero:.0%} of rounds)"
+        if r.get("trimmed_share"):
+            chosen += f"; {r['trimmed_share']:.0%} of drafts trimmed by the target beside others"
         pre = r.get("predraft")
         pre = (f"; pre-drafts {pre['hits']} hit / {pre['misses']} missed ({pre['hit_rate']:.0%}), "
                f"{pre['wait_s_per_round'] * 1e3:.0f} ms waited for a hit per round"
@@ -153,8 +155,12 @@ def cost_section(doc: dict) -> list[str]:
     cells = ", ".join(f"{r}: {s * 1e3:.1f}" for r, s in zip(cost["rows"], cost["seconds"]))
     base = cost["seconds"][0]
     ratios = ", ".join(f"{r}: {s / base:.2f}x" for r, s in zip(cost["rows"], cost["seconds"]))
+    batches = ", ".join(f"{b}: {sec * 1e3:.1f}" + (f" + {m * 1e3:.2f} per extra row" if m >= 0 else "")
+                        for b, sec, m in zip(cost.get("batches", ()), cost.get("batch_seconds", ()),
+                                             cost.get("batch_slopes", ())))
     return ["", "### Target verify cost model (end of run; rows -> ms of one forward)",
-            f"- {cells} (mean batch {cost.get('mean_batch', 1.0):.1f})", f"- relative to one row: {ratios}"]
+            f"- {cells} (mean batch {cost.get('mean_batch', 1.0):.1f})", f"- relative to one row: {ratios}"] + (
+        [f"- sequences -> ms of a one-row step each: {batches}"] if batches else [])
 
 
 def summary_section(doc: dict) -> list[str]:

@@ -69,6 +69,7 @@ def spec_to_dict(spec: pb.SpecStats) -> dict:
         "predraft_misses": spec.predraft_misses,
         "draft_wait_s": spec.draft_wait_s,
         "draft_waits": spec.draft_waits,
+        "trimmed_tokens": spec.trimmed_tokens,
     }
 
 

@@ -50,6 +50,14 @@ class DraftProposal:
     # A block drafter's candidate table (log q [D, W], token ids [D, W]; row d = draft position
     # d + 1, descending): asked for instead of a tree; trees are built from it (core/tree.py).
     candidates: tuple[torch.Tensor, torch.Tensor] | None = None
+    # A chain's p_i: the proposer's estimate that drafts 1..i are all accepted (non-increasing;
+    # VerifyRequest.draft_accept). Set: the target may verify a prefix only (core/trim.py).
+    accept: list[float] | None = None
+
+    def head(self, n: int) -> DraftProposal:
+        """A chain's first n drafts (probabilities and p_i with them)."""
+        return DraftProposal(self.token_ids[:n], None if self.probs is None else self.probs[:n], None,
+                             accept=None if self.accept is None else self.accept[:n])
 
 
 @dataclass(frozen=True)
@@ -70,6 +78,7 @@ class VerifyOutcome:
     # a burst (several target steps in one call): (drafted, accepted) of each step, the first
     # step's draft first; None: one step (accepted / bonus above are the first step's)
     steps: list[tuple[int, int]] | None = None
+    trimmed: int = 0  # drafts the target left unverified, every step of the call (core/trim.py)
 
     @property
     def recovered(self) -> bool:
@@ -86,6 +95,9 @@ class NgramBurst:
     min_n: int
     max_n: int
     max_tokens: int
+    # a_j: the rate at which a step's draft position j is accepted once j - 1 was (the round
+    # policy's, the steps' p_i from them); empty: the target never trims the steps' drafts
+    rates: tuple[float, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -128,6 +140,7 @@ class SpecStats:
     predraft_misses: int = 0
     draft_wait_s: float = 0.0  # overlap: time rounds waited for a pre-draft (a table) still in flight
     draft_waits: int = 0  # block tables: drafting rounds that waited for their draft (> 2 ms)
+    trimmed_tokens: int = 0  # drafts the target left unverified for its batch's sake (core/trim.py)
 
     def record(self, drafted: int, accepted: int, emitted: int, positions: int | None = None) -> None:
         """positions: draft positions (depths) of the round; default = drafted (a chain). A draft

@@ -99,13 +99,19 @@ def check_rows(probs: torch.Tensor, tokens: list[int], field: str) -> torch.Tens
 
 
 def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missing_features: bool = False,
-                     sparse: pb.SparseProbs | None = None, candidates: pb.Candidates | None = None) -> DraftProposal:
+                     sparse: pb.SparseProbs | None = None, candidates: pb.Candidates | None = None,
+                     accept=()) -> DraftProposal:
     """parents: a draft tree's parent list (empty = a chain); sparse: the rows in sparse form;
-    candidates: a block drafter's candidate table (ProposeRequest.candidates)."""
+    candidates: a block drafter's candidate table (ProposeRequest.candidates); accept: a chain's
+    p_i (VerifyRequest.draft_accept; empty: none)."""
     tokens = list(token_ids)
     tree = list(parents) or None
     if tree is not None and len(tree) != len(tokens):
         raise InvalidArgument("draft_parents", f"{len(tree)} parents for {len(tokens)} draft tokens")
+    odds = checked_rates(accept, "draft_accept") or None
+    if odds is not None and (tree is not None or len(odds) != len(tokens)):
+        raise InvalidArgument("draft_accept", f"one value per chain draft token ({len(odds)} for {len(tokens)}"
+                              f"{', a tree' if tree is not None else ''})")
     if sparse is not None and sparse.row_lengths:
         dist = sparse_from_pb(sparse, tokens, vocab_size)
     else:
@@ -113,7 +119,15 @@ def proposal_from_pb(token_ids, probs: bytes, vocab_size: int, parents=(), missi
         if dist is not None:
             check_rows(dist, tokens, "draft_probs")
     table = candidates_from_pb(candidates) if candidates is not None else None
-    return DraftProposal(tokens, dist, tree, missing_features, table)
+    return DraftProposal(tokens, dist, tree, missing_features, table, accept=odds)
+
+
+def checked_rates(values, field: str) -> list[float]:
+    """Probabilities off the wire: each finite and in [0, 1], at most 64 (INVALID_ARGUMENT)."""
+    out = [float(v) for v in values]
+    if len(out) > 64 or not all(0.0 <= v <= 1.0 for v in out):  # NaN fails both comparisons
+        raise InvalidArgument(field, "at most 64 values, each in [0, 1]")
+    return out
 
 
 def candidates_to_pb(table: tuple[torch.Tensor, torch.Tensor] | None) -> pb.Candidates | None:
@@ -196,6 +210,7 @@ def stats_to_pb(stats: SpecStats, method: str) -> pb.SpecStats:
         predraft_misses=stats.predraft_misses,
         draft_wait_s=stats.draft_wait_s,
         draft_waits=stats.draft_waits,
+        trimmed_tokens=stats.trimmed_tokens,
     )
 
 
@@ -205,7 +220,8 @@ def cost_to_pb(cost: dict | None) -> pb.VerifyCostTable | None:
         return None
     return pb.VerifyCostTable(rows=cost["rows"], seconds=cost["seconds"], mean_batch=cost["mean_batch"],
                               live=int(cost.get("live", 0)), mean_rows=cost.get("mean_rows", 1.0),
-                              mean_tokens=cost.get("mean_tokens", 1.0))
+                              mean_tokens=cost.get("mean_tokens", 1.0), batches=cost.get("batches", ()),
+                              batch_seconds=cost.get("batch_seconds", ()), batch_slopes=cost.get("batch_slopes", ()))
 
 
 def cost_from_pb(msg: pb.VerifyCostTable) -> dict | None:
@@ -213,13 +229,16 @@ def cost_from_pb(msg: pb.VerifyCostTable) -> dict | None:
     if not msg.rows or len(msg.rows) != len(msg.seconds):
         return None
     return {"rows": list(msg.rows), "seconds": list(msg.seconds), "mean_batch": msg.mean_batch or 1.0,
-            "live": msg.live, "mean_rows": msg.mean_rows or 1.0, "mean_tokens": msg.mean_tokens or 1.0}
+            "live": msg.live, "mean_rows": msg.mean_rows or 1.0, "mean_tokens": msg.mean_tokens or 1.0,
+            **({"batches": list(msg.batches), "batch_seconds": list(msg.batch_seconds),
+                "batch_slopes": list(msg.batch_slopes)}
+               if len(msg.batches) == len(msg.batch_seconds) == len(msg.batch_slopes) else {})}
 
 
 def ngram_burst_to_pb(spec: NgramBurst | None) -> pb.NgramBurst | None:
     if spec is None:
         return None
-    return pb.NgramBurst(k=spec.k, min_n=spec.min_n, max_n=spec.max_n, max_tokens=spec.max_tokens)
+    return pb.NgramBurst(k=spec.k, min_n=spec.min_n, max_n=spec.max_n, max_tokens=spec.max_tokens, rates=spec.rates)
 
 
 def ngram_burst_from_pb(request) -> NgramBurst | None:
@@ -227,7 +246,7 @@ def ngram_burst_from_pb(request) -> NgramBurst | None:
     if not request.HasField("ngram_burst"):
         return None
     m = request.ngram_burst
-    return NgramBurst(m.k, m.min_n, m.max_n, m.max_tokens)
+    return NgramBurst(m.k, m.min_n, m.max_n, m.max_tokens, tuple(checked_rates(m.rates, "ngram_burst.rates")))
 
 
 def burst_steps_from_pb(resp) -> list[tuple[int, int]] | None:

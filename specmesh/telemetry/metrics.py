@@ -78,6 +78,8 @@ KV_USAGE = Gauge("specmesh_kv_cache_usage_ratio", "KV pool slots owned by live s
 KV_RESERVED = Gauge("specmesh_kv_cache_reserved_tokens", "KV pool slots owned by live sequences (held + headroom)")
 KV_POOL_BYTES = Gauge("specmesh_kv_cache_pool_bytes", "bytes of the KV pool allocated at start")
 KV_RELOCATIONS = Gauge("specmesh_kv_cache_relocations", "sequences moved to a larger pool range (outgrew their reservation)")
+DRAFT_TRIMMED = Gauge("specmesh_target_trimmed_draft_tokens",
+                      "chain drafts left unverified beside other sequences (target_worker.draft_trim), since start")
 
 # ---- draft worker
 DRAFT_CACHE_SEQUENCES = Gauge("specmesh_draft_cache_sequences", "sequences whose drafter state is kept", ["method"])

@@ -25,6 +25,7 @@ def watch_target_engine(engine) -> None:
     metrics.KV_RESERVED.set_function(engine.reserved_tokens)
     metrics.KV_POOL_BYTES.set_function(engine.pool.nbytes)
     metrics.KV_RELOCATIONS.set_function(lambda: engine.pool.relocations)
+    metrics.DRAFT_TRIMMED.set_function(lambda: engine.trimmed_tokens)
     metrics.BATCH_QUEUE.labels("target_worker").set_function(engine.batcher.qsize)
 
 

@@ -302,3 +302,29 @@ def test_rounds_that_emit_slower_than_the_target_alone_are_turned_off_by_their_m
     assert 0 < len(drafts.calls) < gen.stats.rounds * 2 / 3  # the probes still ask the draft tier
     fair, pace, _ = run(CostedTarget({1: 1.0, 9: 1.05}))  # drafting as fast as it claims: it keeps drafting
     assert pace["draft"][0] < pace["alone"][0] and fair.stats.chosen_k.get(0, 0) <= 2
+
+
+class TrimmingTarget(CostedTarget):
+    """A target that verifies only each chain's first draft beside others (core/trim.py) and says so."""
+
+    def __init__(self, table, **kw):
+        super().__init__(table, **kw)
+        self.accepts: list[list[float] | None] = []
+
+    def verify(self, seq_id, draft, timeout):
+        self.accepts.append(draft.accept)
+        cut = max(0, len(draft.token_ids) - 1)
+        out = super().verify(seq_id, draft.head(min(1, len(draft.token_ids))), timeout)
+        return dataclasses.replace(out, steps=[(len(draft.token_ids) - cut, out.accepted)], trimmed=cut)
+
+
+def test_a_trimmed_draft_teaches_only_its_verified_positions():
+    book = RateBook(alpha=0.5)
+    target = TrimmingTarget({1: 1.0, 9: 1.05})
+    gen = _run(target, FakeDrafts(wrong_after=1), book=book)  # position 2 would always be wrong
+    sent = [a for a in target.accepts if a]
+    assert sent and all(a == sorted(a, reverse=True) and 0 <= a[-1] <= a[0] <= 1 for a in sent)  # p_i sent
+    assert gen.stats.trimmed_tokens == sum(len(a) - 1 for a in sent) > 0
+    assert gen.stats.drafted_tokens == len(sent)  # one verified draft per drafting round
+    rates = book.seed("ngram", 4)
+    assert rates[0] > 0.9 and rates[1] == 0.5  # position 2 never verified: its seed stands, not 0
