@@ -30,7 +30,7 @@ an AMX Xeon's 16 sequences at 2 rows each 60.6, where the rows table, filled at 
 4 sequences at 8, read 1.27-1.31x its 16 rows (measured 1.46x). So forwards of B >= 2 sequences
 have their own model, by batch bucket b (BATCHES): the one-row step S_b (B sequences, one row each:
 its shape in logs with the same drift) and the seconds each extra row adds, m_b, fitted from the
-forwards at that batch that pack more (T - S_b) / (rows - B), as an EMA. T(B, rows) = S(B) +
+forwards at that batch that pack more: EMA(T - S(B)) / EMA(rows - B). T(B, rows) = S(B) +
 m(B) (rows - B), S and m interpolated over the buckets (S from one sequence's one-row step at B =
 1). It is linear in the extra rows, so one sequence's draft and everyone's are priced alike: the
 target's batch-wide trim (core/trim.py) and the coordinators' k see the same price per row.
