@@ -80,20 +80,13 @@ class ModelThread:
 
     def measure_cost(self, context: int = 64, repeats: int = 2) -> dict:
         """Seed the cost model: time a forward of each bucket's row count (one sequence of
-        `context` tokens, the rows as one chain) on the model thread's kernels; returns the table."""
+        `context` tokens, the rows as one chain) on the model thread's kernels, then the batches'
+        (_measure_batches); returns the table."""
         kv = self.pool.allocate(context + max(COST_ROWS) + 1)
         ids = [i % self.vocab_size for i in range(1, context + max(COST_ROWS) + 1)]  # any valid tokens
-        measured = {}
         try:
-            batched_step(self.model, [kv], [ids[:context]], logits_rows=[[context - 1]])
-            kv.commit(context)
-            for rows in COST_ROWS:
-                times = []
-                for _ in range(repeats + 1):  # the first is a warm-up
-                    t0 = time.perf_counter()
-                    batched_step(self.model, [kv], [ids[:rows]], row_exact=self.row_exact)
-                    times.append(time.perf_counter() - t0)
-                measured[rows] = min(times[1:])
+            self._fill([kv], ids, context)
+            measured = {rows: self._best_forward_s([kv], ids, rows, repeats) for rows in COST_ROWS}
         finally:
             kv.release()
         self.cost.seed(measured)
@@ -108,32 +101,32 @@ class ModelThread:
         for batch in (4, 16):
             kvs = []
             try:
-                for _ in range(batch):
-                    kvs.append(self.pool.allocate(context + extra + 2))
+                kvs += [self.pool.allocate(context + extra + 2) for _ in range(batch)]
+                self._fill(kvs, ids, context)
+                one, more = (self._best_forward_s(kvs, ids, rows, repeats) for rows in (1, 1 + extra))
+                steps[batch], slopes[batch] = one, max(0.0, more - one) / (batch * extra)
             except Unavailable:
                 break
-            finally:
-                if len(kvs) < batch:
-                    for kv in kvs:
-                        kv.release()
-            try:
-                batched_step(self.model, kvs, [ids[:context]] * batch, logits_rows=[[context - 1]] * batch)
-                for kv in kvs:
-                    kv.commit(context)
-                seconds = []
-                for rows in (1, 1 + extra):
-                    times = []
-                    for _ in range(repeats + 1):  # the first is a warm-up
-                        t0 = time.perf_counter()
-                        batched_step(self.model, kvs, [ids[:rows]] * batch, row_exact=self.row_exact)
-                        times.append(time.perf_counter() - t0)
-                    seconds.append(min(times[1:]))
-                steps[batch], slopes[batch] = seconds[0], max(0.0, seconds[1] - seconds[0]) / (batch * extra)
             finally:
                 for kv in kvs:
                     kv.release()
         self.cost.seed_batches(steps, slopes)
 
+    def _fill(self, kvs: list, ids: list[int], context: int) -> None:
+        """Prefill each sequence with ids[:context] and commit it (the cost measurements' context)."""
+        batched_step(self.model, kvs, [ids[:context]] * len(kvs), logits_rows=[[context - 1]] * len(kvs))
+        for kv in kvs:
+            kv.commit(context)
+
+    def _best_forward_s(self, kvs: list, ids: list[int], rows: int, repeats: int) -> float:
+        """Seconds of a verify forward of `rows` rows per sequence (not committed): the best of
+        `repeats` after a warm-up."""
+        times = []
+        for _ in range(repeats + 1):  # the first is a warm-up
+            t0 = time.perf_counter()
+            batched_step(self.model, kvs, [ids[:rows]] * len(kvs), row_exact=self.row_exact)
+            times.append(time.perf_counter() - t0)
+        return min(times[1:])
 
     def _run_prefill(self, jobs: list[PrefillJob], hidden: tuple[int, ...] = ()) -> list[PrefillOutcome]:
         last = [[len(j.prompt) - 1] for j in jobs]  # logits of the last prompt position only

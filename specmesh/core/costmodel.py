@@ -95,14 +95,19 @@ class VerifyCost:
         """One sequence's forward: the rows table (drift and shape)."""
         bucket = min(ROWS, key=lambda r: abs(r - rows))
         if abs(bucket - rows) <= max(1, bucket // 4):  # close enough to stand for the bucket
-            now = math.log(seconds)
-            if bucket not in self._shape:  # first seen: its shape is this forward at today's drift
-                self._shape[bucket] = now - self._drift
-            self._drift += self.alpha * (now - self._drift - self._shape[bucket])
-            if any(r != bucket for r in self._recent):  # the drift is known from other buckets too
-                self._shape[bucket] += self.alpha / 4 * (now - self._drift - self._shape[bucket])
-            self._recent.append(bucket)
-            self._refresh()
+            self._follow(self._shape, bucket, bucket, math.log(seconds))
+
+    def _follow(self, shapes: dict[int, float], key: int, tag: int, now: float) -> None:
+        """One forward of log seconds `now` standing for shapes[key]: the drift moves (alpha), and
+        the key's shape (alpha / 4) when another key was among the last observations (tag: this
+        key's name there), i.e. when the drift is known from more than this one."""
+        if key not in shapes:  # first seen: its shape is this forward at today's drift
+            shapes[key] = now - self._drift
+        self._drift += self.alpha * (now - self._drift - shapes[key])
+        if any(r != tag for r in self._recent):
+            shapes[key] += self.alpha / 4 * (now - self._drift - shapes[key])
+        self._recent.append(tag)
+        self._refresh()
 
     def _observe_batch(self, rows: int, seconds: float, batch: int) -> None:
         """A forward of `batch` sequences: its bucket's one-row step (drift and shape, as a row
@@ -114,13 +119,7 @@ class VerifyCost:
             return
         now = math.log(seconds)
         if rows <= batch:
-            if b not in self._step:
-                self._step[b] = now - self._drift
-            self._drift += self.alpha * (now - self._drift - self._step[b])
-            if any(r != -b for r in self._recent):
-                self._step[b] += self.alpha / 4 * (now - self._drift - self._step[b])
-            self._recent.append(-b)  # batch buckets as negative keys beside the row buckets
-            self._refresh()
+            self._follow(self._step, b, -b, now)  # batch buckets as negative keys beside the row buckets
         else:
             # the drift follows this forward as priced now (where the machine's speed moves while
             # most forwards draft, the slope must not take it up), then the slope takes the rest:
