@@ -87,7 +87,7 @@ class RoundPolicy:
             return self.cost.estimate(rows + q, batch) + wait(q)
 
         if isinstance(policy, TreePolicy):  # n nodes, at most fixed_k deep
-            self.nodes = policy.choose(seconds, tokens)
+            self.nodes = policy.choose(seconds, tokens, beside=others >= 1)
             return max(0, min(fixed_k, limit)) if self.nodes else 0
         if self._in_step(method):
             # beside live others, in step: only what is drafted already (a pre-draft that hit), never

@@ -131,7 +131,8 @@ def build_drafters(cfg: MeshConfig) -> dict:
                                              max_queue=bp.max_inflight + bp.max_queue,
                                              cpu_kernel=wcfg.block.cpu_kernel)
             log.info("block: %s LM head%s", block.lm_head.weight.dtype,
-                     " from packed weights (CPU kernel)" if drafters["block"].cpu_kernel else "")
+                     " from packed weights (CPU kernel)" if drafters["block"].cpu_kernel
+                     else ", linears oneDNN-prepacked" if drafters["block"].prepacked else "")
     return drafters
 
 

@@ -13,7 +13,14 @@ that maximises (others + E(n)) / T(B, n + 1), E(0) = 1 (no draft), as KPolicy do
 k (core/goodput.py). A drafter's wait is the same for any n (one block forward), so it is in T
 for every n > 0. A choice moves only when the new n beats the one in force by a share of one
 token (hysteresis), and every probe_every-th round drafts the whole budget, which measures every
-n at once. Where each verified row costs ~10% of a step (float32 on a CPU without AMX, session
+n at once. Beside others (`beside`) a probe costs every sequence of the forward: it drafts the
+largest budget whose predicted goodput stays within `probe_loss` of the budget in force (where
+rows are nearly free, a GPU, still the whole budget), and none while the budget in force is 0:
+a round that drafts from none waits for a table drafted on demand (no table is drafted for a
+round without a draft), and the wait takes its sequence out of the batch's step whatever the
+probe's size (the block tree at concurrency 16 on a 2-core AMX Xeon, session 35: 0.85-0.93x AR
+with whole-budget probes, 0.89-0.93x with probes of 1-3 nodes, 0.92-0.97x with none). Alone a
+probe costs only its own request: the whole budget. Where each verified row costs ~10% of a step (float32 on a CPU without AMX, session
 19) the best budget can be 2-4 nodes when the whole tree does not pay; on a GPU, where 9 rows
 cost about one, the whole tree.
 """
@@ -53,6 +60,7 @@ class TreePolicy:
     alpha: float = 0.2
     margin: float = 0.05
     probe_every: int = 16  # a probe costs budget rows: rarer than a chain's one extra position
+    probe_loss: float = 0.03  # beside others: the goodput a probe may give up against the budget in force
     expected: list[float] = field(default_factory=list)  # E(n) at index n - 1
     nodes: int = -1  # the budget in force (-1: none chosen yet)
     rounds: int = 0
@@ -70,8 +78,9 @@ class TreePolicy:
         """(n, goodput) maximising (others + E(n)) / cost(n + 1); ties go to the smaller n."""
         return best_of(self.tokens, cost, self.budget, others)
 
-    def choose(self, cost: Callable[[int], float], others: float = 0.0) -> int:
-        """This round's node budget (cost and others as goodput.best_k's)."""
+    def choose(self, cost: Callable[[int], float], others: float = 0.0, beside: bool = False) -> int:
+        """This round's node budget (cost and others as goodput.best_k's; beside: the forward is
+        shared with live others, and a probe is priced: _probe)."""
         new, new_rate = self.best(cost, others)
         if self.nodes < 0:
             self.nodes = new
@@ -81,9 +90,18 @@ class TreePolicy:
                 self.nodes = new
         self.rounds += 1
         probe = bool(self.probe_every) and self.rounds % self.probe_every == 0
-        used = self.budget if probe else self.nodes
+        used = (self._probe(cost, others) if beside else self.budget) if probe else self.nodes
         self.history[used] = self.history.get(used, 0) + 1
         return used
+
+    def _probe(self, cost: Callable[[int], float], others: float) -> int:
+        """Beside others: the largest budget past the one in force whose goodput is within
+        probe_loss of it; the budget in force where there is none or it is 0 (no probe)."""
+        if self.nodes <= 0:
+            return 0
+        floor = (1 - self.probe_loss) * (others + self.tokens(self.nodes)) / cost(self.nodes + 1)
+        fits = [n for n in range(self.nodes + 1, self.budget + 1) if (others + self.tokens(n)) / cost(n + 1) >= floor]
+        return max(fits, default=self.nodes)
 
     def update(self, per_budget: list[float]) -> None:
         """Fold one round in: per_budget[n - 1] = emitted(n) for the budgets it covered."""

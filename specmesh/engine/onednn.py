@@ -131,7 +131,8 @@ def _kept_equal_rows(weight: torch.Tensor, bias: torch.Tensor | None, trials: in
                                  rows=EQUAL_PROBE_ROWS, trials=trials)
 
 
-def _usable(mod: torch.nn.Linear) -> bool:
+def usable(mod: torch.nn.Linear) -> bool:
+    """A bf16 2-D weight on the CPU: what oneDNN's prepacked bf16 call takes."""
     w = mod.weight
     return w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.dim() == 2
 
@@ -146,7 +147,7 @@ def install(model: torch.nn.Module) -> dict[str, dict]:
         log.warning("oneDNN prepacked linears not installed: rowexact.install ran first")
         return {}
     head = model.get_output_embeddings()
-    mods = [m for m in [*model.model.modules(), head] if isinstance(m, torch.nn.Linear) and _usable(m)]
+    mods = [m for m in [*model.model.modules(), head] if isinstance(m, torch.nn.Linear) and usable(m)]
     decided: dict[tuple, dict] = {}
     if available():
         for mod in mods:
@@ -229,3 +230,39 @@ def packed(mod: torch.nn.Linear, x2: torch.Tensor) -> torch.Tensor | None:
     if _PREFILL.get() and x2.shape[0] > mod._specmesh_onednn_equal:
         return None
     return _call(mod, x2)
+
+
+class PrepackedLinear(torch.nn.Linear):
+    """A bf16 CPU nn.Linear that runs from oneDNN's prepacked copy of its weight, every row count
+    (bucketed: run). For drafters only, whose output need not be bitwise F.linear's: a draft is
+    verified whatever it is, and at T > 0 its q is computed from these very logits."""
+
+    _specmesh_onednn: torch.Tensor
+
+    @classmethod
+    def of(cls, mod: torch.nn.Linear) -> "PrepackedLinear":
+        """A copy of mod sharing its weight (and bias) tensors, plus the prepacked weight (+1x bytes)."""
+        new = cls.__new__(cls)
+        torch.nn.Module.__init__(new)
+        new.in_features, new.out_features = mod.in_features, mod.out_features
+        new.weight, new.bias = mod.weight, mod.bias
+        with torch.no_grad():
+            new._specmesh_onednn = pack(mod.weight)
+        return new
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [..., in] bf16 -> [..., out]."""
+        y = run(x.reshape(-1, x.shape[-1]), self._specmesh_onednn, self.bias)  # [M, out]
+        return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+def prepack_children(module: torch.nn.Module) -> int:
+    """Replace every bf16 CPU nn.Linear below module by its PrepackedLinear (same parameters, same
+    state_dict keys); the number replaced, 0 where oneDNN's bf16 path is unavailable."""
+    if not available():
+        return 0
+    swaps = [(parent, name, child) for parent in module.modules() for name, child in parent.named_children()
+             if type(child) is torch.nn.Linear and usable(child)]
+    for parent, name, child in swaps:
+        setattr(parent, name, PrepackedLinear.of(child))
+    return len(swaps)

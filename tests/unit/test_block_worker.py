@@ -271,3 +271,54 @@ def test_shared_head_is_loaded_in_the_drafters_dtype(tmp_path):
     assert head.weight.data_ptr() == embed.weight.data_ptr()  # tied: one float32 copy
     assert torch.equal(embed.weight, weight.float())
     assert shared_head(tmp_path)[1].weight.dtype == torch.bfloat16
+
+
+def test_bf16_block_drafter_runs_its_linears_prepacked_and_drafts_as_plain():
+    """cpu_kernel in bf16: every drafter linear and the shared head from oneDNN-prepacked copies
+    (same parameters, same state_dict keys); the table's logits within bf16 rounding of the
+    plain ones; cpu_kernel false prepacks nothing."""
+    import copy
+
+    from specmesh.engine import onednn
+    if not onednn.available():
+        pytest.skip("oneDNN's bf16 path is not available on this CPU")
+    model = tiny_block_model(2)
+    model.embed_tokens.to(torch.bfloat16)  # tied: the head's weight with it
+    model.to(torch.bfloat16)
+    keys = sorted(model.state_dict())
+    plain = BlockDrafter(copy.deepcopy(model), max_batch_size=4, cache_max_sequences=4, cpu_kernel=False)
+    d = BlockDrafter(model, max_batch_size=4, cache_max_sequences=4, cpu_kernel=True)
+    try:
+        assert d.prepacked and not d.cpu_kernel and not plain.prepacked
+        assert isinstance(d.head, onednn.PrepackedLinear) and d.head.weight is model.lm_head.weight
+        lins = [m for m in model.modules() if isinstance(m, nn.Linear)]
+        assert lins and all(isinstance(m, onednn.PrepackedLinear) for m in lins)
+        assert not any(isinstance(m, onednn.PrepackedLinear) for m in plain.model.modules())
+        assert sorted(model.state_dict()) == keys
+        feats, valid = FeatureWindow(W, rows(0, 8), 8).padded()
+        ids = model.block_ids(torch.tensor([9]))
+        got = d.head(model.hidden(ids, feats[None], valid[None]))  # [1, B, V]
+        want = plain.head(plain.model.hidden(ids, feats[None], valid[None]))
+        assert got.shape == want.shape and got.dtype == torch.bfloat16
+        torch.testing.assert_close(got.float(), want.float(), rtol=0.05, atol=0.05)
+        jobs = [(job(s, 9 + i, k=4, tree=t), FeatureWindow(W, rows(i, 8 + i), 8 + i))
+                for i, (s, t) in enumerate((("x", 0), ("y", 6)))]
+        chain, tree = d._run_batch("propose", jobs)
+        assert len(chain.token_ids) == 4 and len(tree.token_ids) == 6 and tree.parents
+    finally:
+        d.close()
+        plain.close()
+
+
+def test_prepacked_linear_takes_any_rows_and_leading_shape():
+    from specmesh.engine import onednn
+    if not onednn.available():
+        pytest.skip("oneDNN's bf16 path is not available on this CPU")
+    torch.manual_seed(3)
+    lin = nn.Linear(40, 24, bias=True).to(torch.bfloat16)
+    packed = onednn.PrepackedLinear.of(lin)
+    for shape in ((1, 40), (5, 40), (3, 11, 40), (37, 40)):  # 37 rows: padded to a bucket of 40
+        x = torch.randn(shape).to(torch.bfloat16)
+        y = packed(x)
+        assert y.shape == (*shape[:-1], 24)
+        torch.testing.assert_close(y.float(), lin(x).float(), rtol=0.02, atol=0.02)

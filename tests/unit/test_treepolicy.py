@@ -74,3 +74,28 @@ def test_the_seed_curve_is_concave_and_ends_at_the_whole_tree():
     steps = [b - a for a, b in zip(curve, curve[1:])]
     assert all(x > 0 for x in steps) and steps == sorted(steps, reverse=True)
     assert seed_curve(0.5, 4) == [1.0] * 4  # never below the target's own token
+
+
+def test_beside_others_a_probe_is_priced():
+    """Beside live others a probe costs every sequence of the forward: it drafts the largest
+    budget within probe_loss of the goodput in force, none where rows are dear or from 0 nodes."""
+    # a row costs 20% of a step, 3 others emitting 3 tokens: any node loses > 3% -> no probe
+    costly = lambda q: 1.0 + 0.2 * (q - 1)  # noqa: E731
+    p = TreePolicy(budget=8, seed=[1.1] * 8, probe_every=4)
+    assert [p.choose(costly, others=3.0, beside=True) for _ in range(8)] == [0] * 8
+    assert [p.choose(costly) for _ in range(4)] == [0, 0, 0, 8]  # alone: the whole budget
+    # rows nearly free (a GPU-like forward): the probe is the whole budget beside others too
+    cheap = lambda q: 1.0 + 0.002 * (q - 1)  # noqa: E731
+    p = TreePolicy(budget=8, seed=[1.5, 1.52, 1.53, 1.54, 1.55, 1.56, 1.57, 1.58], probe_every=2)
+    assert [p.choose(cheap, others=15.0, beside=True) for _ in range(2)] == [1, 8]  # n = 1 in force, then a probe
+    p = TreePolicy(budget=8, seed=[1.01] * 8, probe_every=1)  # 0 in force: no probe even where rows are free
+    assert [p.choose(cheap, others=15.0, beside=True) for _ in range(3)] == [0, 0, 0]
+    assert p.choose(cheap) == 8  # alone: the whole budget
+    # n = 1 in force (1.5 / 1.1); a probe within 3% of it: (3 + 1.52) / 1.2 = 3.77 against
+    # 0.97 * 4.5 / 1.1 = 3.97: none; with rows at 1% of a step the floor is 0.97 * 4.5 / 1.01 = 4.32:
+    # 5 nodes 4.55 / 1.05 = 4.33 fit, 6 nodes 4.56 / 1.06 = 4.30 do not
+    mid = lambda q: 1.0 + 0.1 * (q - 1)  # noqa: E731
+    p = TreePolicy(budget=8, seed=[1.5, 1.52, 1.53, 1.54, 1.55, 1.56, 1.57, 1.58], probe_every=2)
+    assert [p.choose(mid, others=3.0, beside=True) for _ in range(4)] == [1, 1, 1, 1]
+    low = lambda q: 1.0 + 0.01 * (q - 1)  # noqa: E731
+    assert p._probe(low, 3.0) == 5 and p._probe(mid, 3.0) == 1
