@@ -20,9 +20,9 @@ a round that drafts from none waits for a table drafted on demand (no table is d
 round without a draft), and the wait takes its sequence out of the batch's step whatever the
 probe's size (the block tree at concurrency 16 on a 2-core AMX Xeon, session 35: 0.85-0.93x AR
 with whole-budget probes, 0.89-0.93x with probes of 1-3 nodes, 0.92-0.97x with none). Alone a
-probe costs only its own request: the whole budget. Where each verified row costs ~10% of a step (float32 on a CPU without AMX, session
-19) the best budget can be 2-4 nodes when the whole tree does not pay; on a GPU, where 9 rows
-cost about one, the whole tree.
+probe costs only its own request: the whole budget. Where each verified row costs ~10% of a step
+(float32 on a CPU without AMX, session 19) the best budget can be 2-4 nodes when the whole tree
+does not pay; on a GPU, where 9 rows cost about one, the whole tree.
 """
 
 from __future__ import annotations
@@ -85,8 +85,7 @@ class TreePolicy:
         if self.nodes < 0:
             self.nodes = new
         elif new != self.nodes:
-            current = (others + self.tokens(self.nodes)) / cost(self.nodes + 1)
-            if new_rate - current > self.margin / cost(1):
+            if new_rate - self._rate(self.nodes, cost, others) > self.margin / cost(1):
                 self.nodes = new
         self.rounds += 1
         probe = bool(self.probe_every) and self.rounds % self.probe_every == 0
@@ -99,9 +98,13 @@ class TreePolicy:
         probe_loss of it; the budget in force where there is none or it is 0 (no probe)."""
         if self.nodes <= 0:
             return 0
-        floor = (1 - self.probe_loss) * (others + self.tokens(self.nodes)) / cost(self.nodes + 1)
-        fits = [n for n in range(self.nodes + 1, self.budget + 1) if (others + self.tokens(n)) / cost(n + 1) >= floor]
+        floor = (1 - self.probe_loss) * self._rate(self.nodes, cost, others)
+        fits = [n for n in range(self.nodes + 1, self.budget + 1) if self._rate(n, cost, others) >= floor]
         return max(fits, default=self.nodes)
+
+    def _rate(self, n: int, cost: Callable[[int], float], others: float) -> float:
+        """The goodput of n nodes, (others + E(n)) / cost(n + 1), as best() weighs each n."""
+        return (others + self.tokens(n)) / cost(n + 1)
 
     def update(self, per_budget: list[float]) -> None:
         """Fold one round in: per_budget[n - 1] = emitted(n) for the budgets it covered."""
