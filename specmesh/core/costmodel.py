@@ -231,14 +231,19 @@ class VerifyCost:
 
 def _interp(pts: list[tuple[float, float]], x: float) -> float:
     """Piecewise-linear y(x) through sorted points: the first y below them, the last segment
-    extended past them (never below 0)."""
+    extended past them where it rises, the last y where it falls. (Extending a falling segment,
+    a batch bucket's step learnt in a faster minute than the one before it, priced a forward of
+    more sequences at 0 seconds: a ZeroDivisionError in a coordinator's goodput rule, CI of
+    session 35.)"""
     if not pts:
         return 0.0
     if x <= pts[0][0] or len(pts) == 1:
         return pts[0][1]
     i = min(bisect.bisect_left([p for p, _ in pts], x), len(pts) - 1)
     (x0, y0), (x1, y1) = pts[i - 1], pts[i]
-    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+    if x > x1 and y1 < y0:
+        return y1
+    return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
 
 
 def monotone(ys: list[float]) -> list[float]:

@@ -65,3 +65,16 @@ def test_a_slower_machine_while_every_forward_drafts_moves_the_drift_not_the_slo
         c.observe(32, 1.3 * (0.0488 + 16 * 0.00177), batch=16)
     assert c.estimate(16, 16) == pytest.approx(1.3 * 0.0488, rel=0.05)
     assert (c.estimate(32, 16) - c.estimate(16, 16)) / 16 == pytest.approx(1.3 * 0.00177, rel=0.1)
+
+
+def test_a_falling_last_bucket_is_not_extended_below_its_own_step():
+    # the steps of batches 4 and 8 learnt in different minutes: 8 read cheaper than 4. Extending
+    # that fall priced 16 sequences at 0 s (a ZeroDivisionError in the goodput rule, CI session 35)
+    c = VerifyCost({1: 0.030})
+    c.seed_batches({4: 0.040, 8: 0.034}, {4: 0.0, 8: 0.0})
+    for batch in (8, 12, 16, 64):
+        assert c.estimate(batch, batch) == pytest.approx(0.034)
+    assert c.estimate(6, 6) == pytest.approx(0.037)  # between the buckets: as measured
+    assert c.estimate(32, 16) == pytest.approx(0.034)  # slopes of 0 past 8: the same
+    c.seed_batches({16: 0.050}, {16: 0.002})  # a rising last segment still extends
+    assert c.estimate(24, 24) == pytest.approx(0.050 + 8 * (0.050 - 0.034) / 8)
