@@ -176,14 +176,18 @@ class Drafting:
         drafted) and keep the newest table's tail for this round's tree. -> the round policy's key:
         the drafter's own where there is no tail (a drafting round waits for its own Propose), else
         '<drafter>~1' / '~2' (a tail one / two or more positions stale: learnt apart, as they match
-        less often)."""
+        less often). Alone, a round may pass its tail over for a table at its own anchor
+        (RoundPolicy.fresh_beats_tail): then it is keyed, and waits, as one without a tail."""
         anchor = len(self.req.prompt_ids) + len(self.out.token_ids) - 1  # the pending token's position
         waited = self.tails.settle(min(self.draft_timeout_s, self._remaining()))
         self.stats.draft_time_s += waited
         self.stats.draft_wait_s += waited
         got = self.tails.tail(anchor)
+        key = self.method if got is None else f"{self.method}~{min(got[0], 2)}"
+        if got is not None and got[0] > 0 and self.rounds.fresh_beats_tail(self.method, key):
+            got, key = None, self.method  # alone: this round waits for a table at its own anchor
         self._table, self._tail_waited = (None, False) if got is None else (got[1:], waited > 0.002)
-        return self.method if got is None else f"{self.method}~{min(got[0], 2)}"
+        return key
 
     def _start_table(self, context: list[int]) -> bool:
         """Start the candidate table at context's anchor, with the feature rows the draft tier

@@ -77,7 +77,7 @@ class Generation(Drafting):
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
                  control=None, observer=None, feature_spec: FeatureSpec | None = None,
                  rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None, tables=None,
-                 decode_steps: int = 1, lookup: tuple[int, int] | None = None):
+                 decode_steps: int = 1, lookup: tuple[int, int] | None = None, fresh_tables: bool = True):
         self.req, self.target, self.drafts = req, target, drafts
         self.decode_steps = decode_steps  # target steps per Verify call in a burst (_burst)
         self.lookup = lookup  # (min_n, max_n): n-gram rounds burst, the target drafting each step; None: not
@@ -98,7 +98,7 @@ class Generation(Drafting):
         self._table, self._tail_waited = None, False
         self._key = req.method  # the round policy's key this round (tails: per staleness)
         self.rounds = RoundPolicy(req.k_max, rate_book, control, tree_budget=req.tree_budget,
-                                  overlap=self.predraft is not None)
+                                  overlap=self.predraft is not None, fresh_tables=fresh_tables)
         self._predrafted = False  # this round's draft was a pre-draft that hit
         # feature_spec: what to ask the target for when the drafter reads target features (block);
         # None: such drafters get no features (they report misses and rounds run without drafts)

@@ -14,11 +14,15 @@ from specmesh.core.trim import cumulative
 from specmesh.core.types import DraftProposal
 
 
+FRESH_MARGIN = 0.02  # a fresh table's predicted goodput must beat the tail's by this share
+
+
 class RoundPolicy:
     def __init__(self, k_max: int, rate_book: RateBook | None = None, control=None, tree_budget: int = 0,
-                 overlap: bool = False):
+                 overlap: bool = False, fresh_tables: bool = True):
         self.k_max = k_max  # > 0: goodput (chains: k in 0..k_max; trees: the budget or none); 0: fixed
         self.overlap = overlap  # each round pre-drafts the next (coordinator/predraft.py)
+        self.fresh_tables = fresh_tables  # alone, a tree round may wait for a fresh table (fresh_beats_tail)
         self.tree_budget = tree_budget  # > 0: the request drafts trees of up to this many nodes
         self.nodes = tree_budget  # this round's tree budget (k's call sets it; tree_budget when fixed)
         self.rate_book = rate_book or RateBook()
@@ -108,6 +112,26 @@ class RoundPolicy:
                                            fit - 1, tokens):
                 return 0  # no wait now: this round's pre-draft makes the next one free
         return k
+
+    def fresh_beats_tail(self, method: str, tail_key: str) -> bool:
+        """Alone, a draft tree's round with a tail (`tail_key`, an older table's rows, no wait):
+        whether waiting for a table at its own anchor instead (`method`'s tokens per round and
+        measured wait) emits faster. A tail after a rejection holds the drafter's rows for the
+        positions after a token it got wrong; a fresh table sees the target's own (offline on
+        MT-Bench, 8 nodes: 0.79 accepted drafts a round fresh, 0.53 one position stale). Where a
+        table costs little against a verify, the wait pays. Beside others never: a wait takes
+        the sequence out of the batch's step (session 32)."""
+        if not self.fresh_tables:
+            return False
+        fresh, tail = self._policy(method), self._policy(tail_key)
+        if not isinstance(fresh, TreePolicy) or not isinstance(tail, TreePolicy) or self.beside_others():
+            return False
+        wait = self.draft_s.get(method)
+        if wait is None:
+            return False
+        _, fresh_rate = fresh.best(lambda q: self.cost.estimate(q) + wait)
+        _, tail_rate = tail.best(self.cost.estimate)
+        return fresh_rate > tail_rate * (1 + FRESH_MARGIN)
 
     def predraft_tokens(self, method: str, q: int) -> int | None:
         """Tokens a draft model drafts while the target verifies q positions (a pre-draft's length,

@@ -99,7 +99,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                           local_drafters=self.local_drafters,
                           overlap=self.predraft_pool if c.overlap_drafting else None,
                           tables=self.predraft_pool if c.block_tables else None,
-                          decode_steps=c.decode_steps, lookup=self.lookup), arm
+                          decode_steps=c.decode_steps, lookup=self.lookup, fresh_tables=c.fresh_tables), arm
 
     def _final(self, gen: Generation, tel, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))

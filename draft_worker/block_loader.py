@@ -15,7 +15,7 @@ from safetensors import safe_open
 from torch import nn
 
 from specmesh.config import ConfigError, MeshConfig
-from specmesh.drafters.artifact import MANIFEST_NAME, load_drafter, verify_manifest
+from specmesh.drafters.artifact import MANIFEST_NAME, RANK_NAME, head_ids, load_drafter, verify_manifest
 from specmesh.engine.loader import check_model_dir, resolve_device, resolve_dtype, resolve_model_dir
 from specmesh.errors import ModelIntegrityError
 
@@ -88,3 +88,23 @@ def load_block_model(cfg: MeshConfig, embed: nn.Module | None = None, head: nn.M
     if embed.weight.shape[0] != model.cfg.vocab_size:
         raise ConfigError(f"block drafter vocabulary {model.cfg.vocab_size} != the target's {embed.weight.shape[0]}")
     return model.to(resolve_device(cfg.model.device))  # with the shared embedding / head it holds
+
+
+def head_vocab_ids(cfg: MeshConfig, vocab_size: int) -> torch.Tensor | None:
+    """The token ids the block drafter's head scores (draft_worker.block.head_vocab most frequent,
+    by the artefact's ranking, specmesh/training/vocab.py), or None for every token: head_vocab 0
+    or >= the vocabulary, or an artefact without a ranking (logged). A ranking that does not fit
+    the vocabulary raises ModelIntegrityError."""
+    keep = cfg.draft_worker.block.head_vocab
+    directory, _ = artefact_dir(cfg)
+    if keep <= 0 or keep >= vocab_size:
+        return None
+    if not (directory / RANK_NAME).is_file():
+        log.warning("block drafter %s has no %s: its head scores every token (run `specmesh drafter-vocab`)",
+                    directory, RANK_NAME)
+        return None
+    try:
+        return head_ids(directory, vocab_size, keep)
+    except ValueError as exc:
+        raise ModelIntegrityError(str(exc)) from exc
+

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from torch import nn
 
 from draft_worker.sequence_lru import SequenceLru
 from specmesh.core.features import FeatureWindow
@@ -96,8 +97,9 @@ def _draft_seed(seed: int, round_: int) -> int:
 
 class BlockDrafter(_BatchedDrafter):
     """Drafts with a block drafter model (specmesh.drafters.block.BlockDrafter) from target
-    features. Keeps each sequence's newest context_window feature rows keyed by seq_id (LRU):
-    each round brings only the rows committed since the last; rows that do not extend what is held
+    features. Keeps each sequence's newest context_window rows keyed by seq_id (LRU), as the
+    drafter's context rows (its layers' keys and values of each position, projected on arrival):
+    each round brings only the feature rows committed since the last; rows that do not extend what is held
     (worker restarted, evicted, or another worker served the last round) are a miss
     (DraftProposal.missing_features) and the coordinator resends its whole window."""
 
@@ -105,15 +107,19 @@ class BlockDrafter(_BatchedDrafter):
     drafts_candidates = True  # all block positions in one forward: a candidate table (ProposeJob.candidates)
 
     def __init__(self, model, max_batch_size: int, cache_max_sequences: int, max_queue: int = 1024,
-                 cpu_kernel: bool = False):
+                 cpu_kernel: bool = False, head_ids: torch.Tensor | None = None):
         self.model = model  # a specmesh.drafters.block.BlockDrafter, eval
+        # head_ids: [K] the token ids the head scores (the most frequent K, sorted; None: all):
+        # drafts are only ever those tokens (specmesh/training/vocab.py)
+        self.head_ids = None if head_ids is None else head_ids.to(model.lm_head.weight.device)
+        self._head_tokens = None if head_ids is None else head_ids.cpu()  # [K]: a head row's token id
+        head = model.lm_head if head_ids is None else _rows_of(model.lm_head, self.head_ids)
         # cpu_kernel: a float32 LM head (the target's, shared) from packed weights where the kernel
         # runs; in bf16 every linear and the head from oneDNN-prepacked copies where available
         # (a 2-core AMX Xeon: a candidate table 12.9 -> 8.6 ms; +1x the drafter's and head's bytes)
-        self.cpu_kernel = bool(cpu_kernel) and cpu_gemm.pack_linear(model.lm_head)
+        self.cpu_kernel = bool(cpu_kernel) and cpu_gemm.pack_linear(head)
         self.prepacked = bool(cpu_kernel) and onednn.prepack_children(model) > 0
-        self.head = onednn.PrepackedLinear.of(model.lm_head) if self.prepacked and onednn.usable(model.lm_head) \
-            else model.lm_head
+        self.head = onednn.PrepackedLinear.of(head) if self.prepacked and onednn.usable(head) else head
         cfg = model.cfg
         self.window, self.max_k, self.vocab_size = cfg.context_window, cfg.block_size - 1, cfg.vocab_size
         self.feature_size = cfg.feature_size
@@ -135,6 +141,8 @@ class BlockDrafter(_BatchedDrafter):
         if rows is not None and (rows.dim() != 2 or rows.shape[1] != self.feature_size or rows.shape[0] > end):
             raise InvalidArgument("features", f"must be [rows <= {end}, {self.feature_size}], "
                                               f"got {tuple(rows.shape)}")
+        if rows is not None:
+            rows = self._context_rows(rows)
         win = self._cache.take(job.seq_id)
         if rows is not None and job.features_complete:  # the sender's whole window: replace
             win = FeatureWindow(self.window, rows, end)
@@ -145,54 +153,74 @@ class BlockDrafter(_BatchedDrafter):
         self._cache.put(job.seq_id, win)
         return win
 
+    @torch.inference_mode()
+    def _context_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """Feature rows [r, F] -> the drafter's context rows [r, L * 2 Hkv D] (every layer's keys
+        and values of those positions), which the window keeps: each row depends on its own
+        features only, so a round projects just the rows it adds, not the whole window (the
+        projection of 64 rows was ~2.5 of a table's 8 ms on a 2-core Zen 4)."""
+        return self.model.context_rows(rows.to(self.model.lm_head.weight.device))
+
     # ------------------------------------------------------------------ model thread
     @torch.inference_mode()
     def _run_batch(self, kind: str, items: list[tuple[ProposeJob, FeatureWindow]]) -> list[DraftProposal]:
-        feats, valid = zip(*(w.padded() for _, w in items))  # each [C, F] bf16, [C] bool (host)
+        ctx, valid = zip(*(w.padded() for _, w in items))  # each [C, L * 2 Hkv D] context rows, [C] bool (host)
         device = self.model.lm_head.weight.device
         last = torch.tensor([job.context[-1] for job, _ in items], device=device)  # [N]: x_T, last context token
         # hidden: [N, B, H]; block position i >= 1 predicts x_{T+i}
-        hidden = self.model.hidden(self.model.block_ids(last), torch.stack(feats).to(device),
-                                   torch.stack(valid).to(device))
+        hidden = self.model.hidden_from_rows(self.model.block_ids(last), torch.stack(ctx).to(device),
+                                             torch.stack(valid).to(device))
         head = self.head
         depths = [self.max_k if job.candidates else min(job.k, self.max_k) for job, _ in items]
         rows = torch.cat([hidden[b, 1: 1 + d] for b, d in enumerate(depths)])  # [sum depths, H]
         # every job's rows through the head at once: one read of its weights (the kernel where packed)
         rows = rows.to(head.weight.dtype)
-        logits = (cpu_gemm.apply(head, rows) if self.cpu_kernel else head(rows)).float().cpu()  # [sum depths, V]
+        logits = (cpu_gemm.apply(head, rows) if self.cpu_kernel else head(rows)).float().cpu()  # [sum depths, K]
         out = []
-        for (job, _), part in zip(items, logits.split(depths)):  # part: [depth, V]
+        for (job, _), part in zip(items, logits.split(depths)):  # part: [depth, K]
             out.append(self._candidates(job, part) if job.candidates
                        else self._tree(job, part) if job.tree_budget > 0 else self._chain(job, part))
         return out
 
-    @staticmethod
-    def _chain(job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
-        """logits: [k, V]. Greedy: argmax per position (a point mass). T > 0: x_i ~ q_i, the warped
-        per-position distribution, returned so rejection sampling stays lossless (q_i does not
-        depend on the earlier drafts, which is allowed: q_i(. | x_<i) = q_i)."""
+    def _tokens(self, idx: torch.Tensor) -> torch.Tensor:
+        """Indices into the head's K rows -> token ids (the same where the head scores every token)."""
+        return idx if self._head_tokens is None else self._head_tokens[idx]
+
+    def _chain(self, job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
+        """logits: [k, K]. Greedy: argmax per position (a point mass). T > 0: x_i ~ q_i, the warped
+        per-position distribution, returned over the whole vocabulary (0 outside the head's
+        tokens) so rejection sampling stays lossless (q_i does not depend on the earlier drafts,
+        which is allowed: q_i(. | x_<i) = q_i)."""
         if job.params.greedy:
-            return DraftProposal(logits.argmax(dim=-1).tolist(), None)
-        q = warp_logits(logits, job.params)  # [k, V]
+            return DraftProposal(self._tokens(logits.argmax(dim=-1)).tolist(), None)
+        q = warp_logits(logits, job.params)  # [k, K]
         gen = make_generator(_draft_seed(job.params.seed, job.round)) \
             if job.params.seed is not None else None
-        return DraftProposal(sample(q, gen).tolist(), q)
+        drafts = self._tokens(sample(q, gen))
+        if self.head_ids is not None:  # [k, V]
+            q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self._head_tokens, q)
+        return DraftProposal(drafts.tolist(), q)
 
-    @staticmethod
-    def _top(job: ProposeJob, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits: [D, V] -> (log q, tokens), each [D, K]: every position's top K = tree_budget by
+    def _top(self, job: ProposeJob, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits: [D, K] -> (log q, tokens), each [D, W]: every position's top W = tree_budget by
         log q (warped at T > 0, so cut tokens never appear), descending."""
         logq = torch.log_softmax(logits, dim=-1) if job.params.greedy else warp_logits(logits, job.params).log()
-        return logq.topk(min(job.tree_budget, logq.shape[-1]), dim=-1)
+        logq, idx = logq.topk(min(job.tree_budget, logq.shape[-1]), dim=-1)
+        return logq, self._tokens(idx)
 
-    @classmethod
-    def _tree(cls, job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
-        """logits: [D, V] -> a best-first tree over the per-position top-k (specmesh.core.tree).
+    def _tree(self, job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
+        """logits: [D, K] -> a best-first tree over the per-position top-k (specmesh.core.tree).
         The target walks it without draft probabilities (lossless for any tree)."""
-        tree = build_tree(*cls._top(job, logits), job.tree_budget)
+        tree = build_tree(*self._top(job, logits), job.tree_budget)
         return DraftProposal(tree.tokens, None, tree.parents)
 
-    @classmethod
-    def _candidates(cls, job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
-        """logits: [block_size - 1, V] -> the table _tree builds from, for every block position."""
-        return DraftProposal([], None, candidates=cls._top(job, logits))
+    def _candidates(self, job: ProposeJob, logits: torch.Tensor) -> DraftProposal:
+        """logits: [block_size - 1, K] -> the table _tree builds from, for every block position."""
+        return DraftProposal([], None, candidates=self._top(job, logits))
+
+
+def _rows_of(head: nn.Linear, ids: torch.Tensor) -> nn.Linear:
+    """A linear of head's rows `ids` only (a copy: +K / V of the head's bytes)."""
+    sub = nn.Linear(head.in_features, ids.shape[0], bias=False, dtype=head.weight.dtype, device=head.weight.device)
+    sub.weight = nn.Parameter(head.weight.detach().index_select(0, ids).contiguous(), requires_grad=False)
+    return sub

@@ -8,7 +8,7 @@ import sys
 import threading
 import time
 
-from draft_worker.block_loader import load_block_model
+from draft_worker.block_loader import head_vocab_ids, load_block_model
 from draft_worker.drafters import BlockDrafter, NgramDrafter, ProposeJob
 from draft_worker.model_drafter import ModelDrafter
 from specmesh.config import ConfigError, MeshConfig
@@ -129,10 +129,11 @@ def build_drafters(cfg: MeshConfig) -> dict:
             bp = cfg.backpressure.draft_worker
             drafters["block"] = BlockDrafter(block, wcfg.max_batch_size, wcfg.cache_max_sequences,
                                              max_queue=bp.max_inflight + bp.max_queue,
-                                             cpu_kernel=wcfg.block.cpu_kernel)
-            log.info("block: %s LM head%s", block.lm_head.weight.dtype,
-                     " from packed weights (CPU kernel)" if drafters["block"].cpu_kernel
-                     else ", linears oneDNN-prepacked" if drafters["block"].prepacked else "")
+                                             cpu_kernel=wcfg.block.cpu_kernel,
+                                             head_ids=head_vocab_ids(cfg, block.cfg.vocab_size))
+            log.info("block: %s LM head over %d tokens%s", block.lm_head.weight.dtype,
+                     drafters["block"].head.weight.shape[0], " from packed weights (CPU kernel)"
+                     if drafters["block"].cpu_kernel else ", linears oneDNN-prepacked" if drafters["block"].prepacked else "")
     return drafters
 
 

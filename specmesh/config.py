@@ -211,6 +211,9 @@ class CoordinatorConfig:
     # the block drafter's draft trees from the candidate table drafted while the target verified the
     # round before (coordinator/tails.py): no round waits for a Propose but the first
     block_tables: bool = True
+    # with block_tables, alone: a round may pass an older table's tail over and wait for a table at
+    # its own anchor, where the goodput rule predicts that emits faster (RoundPolicy.fresh_beats_tail)
+    fresh_tables: bool = True
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # the speculation canary (docs/rollout.md)
 
     def validate(self, key: str) -> None:
@@ -260,9 +263,13 @@ class BlockWorkerConfig:
     path: str | None = None  # null: artifacts/drafters/<model.name>-block in the source tree, if present
     dtype: str = "auto"
     cpu_kernel: bool | str = "auto"  # a float32 LM head (the target's, shared) from packed weights
+    # the head scores only the N most frequent tokens (the artefact's token_rank.safetensors; 0: all)
+    head_vocab: int = 8192
 
     def validate(self, key: str) -> None:
         _check(self.dtype in DTYPES, f"{key}.dtype", "|".join(DTYPES))
+        _check(isinstance(self.head_vocab, int) and self.head_vocab >= 0, f"{key}.head_vocab",
+               "must be an integer >= 0 (0: every token)")
         _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")
 
 

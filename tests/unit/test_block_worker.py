@@ -114,6 +114,24 @@ def test_tree_proposal(drafter):
     assert all(p < i for i, p in enumerate(d.parents)) and max(depth) <= 3
 
 
+def test_a_window_fed_round_by_round_drafts_as_the_whole_window(drafter):
+    # the worker keeps each position's keys and values (projected once, on arrival), not its
+    # features: a window grown by deltas must draft the table one complete window drafts
+    torch.manual_seed(5)
+    feats = torch.randn(10, F).to(torch.bfloat16)  # positions 0..9
+    table = dict(k=4, tree=4)
+    whole = drafter.propose(ProposeJob("p", list(range(1, 12)), 4, SamplingParams(), 0, feats, True, 4, candidates=True))
+    drafter.propose(job("q", 5, feats[:4], complete=True, **table))
+    drafter.propose(job("q", 8, feats[4:7], **table))
+    grown = drafter.propose(ProposeJob("q", list(range(1, 12)), 4, SamplingParams(), 0, feats[7:], False, 4,
+                                       candidates=True))
+    assert torch.equal(grown.candidates[1], whole.candidates[1])
+    assert torch.allclose(grown.candidates[0], whole.candidates[0], atol=1e-5)
+    held = drafter._cache.take("q")
+    cfg = drafter.model.cfg
+    assert held.rows.shape == (W, cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim)
+
+
 def test_lru_keeps_at_most_the_configured_sequences(drafter):
     for s in ("x", "y", "z"):
         drafter.propose(job(s, 9, rows(2, 8), complete=True))

@@ -278,3 +278,66 @@ def test_the_staleness_bench_merges_an_ngram_chain_into_a_tree():
     assert accepted(both, [5, 7, 9, 1]) == 3  # the tree's own path is untouched
     assert accepted(merged(tree, [6, 1]), [6, 1, 0]) == 2  # a chain no tree node starts: a new root branch
     assert merged(tree, []) == tree and merged(tree, [5, 7, 9]) == tree  # nothing new: the tree as it was
+
+
+def test_alone_a_round_waits_for_a_fresh_table_only_where_that_emits_faster():
+    from coordinator.roundpolicy import RoundPolicy
+    from specmesh.core.treepolicy import TreePolicy
+
+    def policy(live: int = 1, wait: float | None = 0.004) -> RoundPolicy:
+        rp = RoundPolicy(k_max=7, tree_budget=8)
+        rp.take_cost({"rows": [1, 9], "seconds": [0.030, 0.033], "mean_batch": 1.0, "live": live})
+        # offline-like tokens per round by budget 1..8: fresh tables beat one-position-stale tails
+        rp.policies["block"] = TreePolicy(8, seed=[1.33, 1.48, 1.56, 1.64, 1.69, 1.73, 1.76, 1.79])
+        rp.policies["block~1"] = TreePolicy(8, seed=[1.21, 1.31, 1.37, 1.41, 1.45, 1.48, 1.51, 1.53])
+        if wait is not None:
+            rp.draft_s["block"] = wait
+        return rp
+
+    assert policy().fresh_beats_tail("block", "block~1")  # 1.79 / 37 ms against 1.53 / 33 ms
+    assert not policy(wait=0.020).fresh_beats_tail("block", "block~1")  # the table costs more than it buys
+    assert not policy(wait=None).fresh_beats_tail("block", "block~1")  # no wait measured yet
+    assert not policy(live=3).fresh_beats_tail("block", "block~1")  # beside others: never a wait
+    off = policy()
+    off.fresh_tables = False  # coordinator.fresh_tables: false
+    assert not off.fresh_beats_tail("block", "block~1")
+
+
+class CostedTreeTarget(TreeTarget):
+    """TreeTarget sending a verify cost model (goodput on): 9 rows cost 1.1x one."""
+
+    COST = {"rows": [1, 9], "seconds": [0.030, 0.033], "mean_batch": 1.0}
+
+    def prefill_outcome(self, *a, **kw):
+        return replace(super().prefill_outcome(*a, **kw), cost=self.COST)
+
+    def verify(self, *a, **kw):
+        return replace(super().verify(*a, **kw), cost=self.COST)
+
+
+class FirstRowDrafts(TableDrafts):
+    """Tables whose first row alone is right: a fresh table's tree accepts a draft, a stale tail none."""
+
+    def propose(self, *a, **kw):
+        d = super().propose(*a, **kw)
+        if d.candidates is None:
+            return d
+        logq, table = d.candidates
+        wrong = table.clone()
+        wrong[1:] += 100
+        return DraftProposal([], None, candidates=(logq, wrong))
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_alone_rounds_wait_for_a_fresh_table_where_stale_tails_miss(fresh):
+    req = GenerationRequest(list(PROMPT), 40, SamplingParams(), "block", 2, request_id="r", tree_budget=4, k_max=7)
+    with ThreadPoolExecutor(2) as pool:
+        gen = Generation(req, CostedTreeTarget(), FirstRowDrafts(), type("Tok", (), {"decode": lambda self, ids, **kw: ""})(),
+                         {99}, 5.0, feature_spec=FeatureSpec((0, 1), W), tables=pool, fresh_tables=fresh)
+        list(gen.run())
+    assert gen.out.token_ids == SCRIPT[:40]  # lossless whichever table a round drafts from
+    s = gen.stats
+    if fresh:  # once the tails are seen to miss, rounds wait for a table at their own anchor and accept
+        assert s.predraft_misses > s.predraft_hits and s.accepted_tokens >= s.predraft_misses - 1
+    else:  # coordinator.fresh_tables: false: only the first round waits
+        assert s.predraft_misses == 1
