@@ -33,6 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specmesh.config import MeshConfig, literal_host
+from specmesh.netutil import free_port
 from specmesh.health_probe import check_serving, probe_tls_for, wait_serving
 from specmesh.procutil import wait_or_kill
 from specmesh.rpc.client_tls import ClientTls
@@ -90,10 +91,8 @@ def plan_addresses(cfg: MeshConfig, scale: Scale, free_ports: bool = False) -> d
         bind_host = "127.0.0.1" if host in ("localhost", "0.0.0.0", "") else host
         addrs = [first] if scale.count(name) >= 1 else []
         for _ in range(scale.count(name) - 1):
-            if free_ports:
-                with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-                    s.bind((bind_host, 0))
-                    addrs.append(f"{host}:{s.getsockname()[1]}")
+            if free_ports:  # below the ephemeral range: no outgoing connection takes it before the bind
+                addrs.append(f"{host}:{free_port(bind_host)}")
                 continue
             while next_port in taken or not port_free(bind_host, next_port):
                 next_port += 1
