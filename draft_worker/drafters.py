@@ -111,9 +111,8 @@ class BlockDrafter(_BatchedDrafter):
         self.model = model  # a specmesh.drafters.block.BlockDrafter, eval
         # head_ids: [K] the token ids the head scores (the most frequent K, sorted; None: all):
         # drafts are only ever those tokens (specmesh/training/vocab.py)
-        self.head_ids = None if head_ids is None else head_ids.to(model.lm_head.weight.device)
         self._head_tokens = None if head_ids is None else head_ids.cpu()  # [K]: a head row's token id
-        head = model.lm_head if head_ids is None else _rows_of(model.lm_head, self.head_ids)
+        head = model.lm_head if head_ids is None else _rows_of(model.lm_head, head_ids)
         # cpu_kernel: a float32 LM head (the target's, shared) from packed weights where the kernel
         # runs; in bf16 every linear and the head from oneDNN-prepacked copies where available
         # (a 2-core AMX Xeon: a candidate table 12.9 -> 8.6 ms; +1x the drafter's and head's bytes)
@@ -197,7 +196,7 @@ class BlockDrafter(_BatchedDrafter):
         gen = make_generator(_draft_seed(job.params.seed, job.round)) \
             if job.params.seed is not None else None
         drafts = self._tokens(sample(q, gen))
-        if self.head_ids is not None:  # [k, V]
+        if self._head_tokens is not None:  # [k, V]
             q = q.new_zeros(q.shape[0], self.vocab_size).index_copy_(1, self._head_tokens, q)
         return DraftProposal(drafts.tolist(), q)
 
@@ -222,5 +221,6 @@ class BlockDrafter(_BatchedDrafter):
 def _rows_of(head: nn.Linear, ids: torch.Tensor) -> nn.Linear:
     """A linear of head's rows `ids` only (a copy: +K / V of the head's bytes)."""
     sub = nn.Linear(head.in_features, ids.shape[0], bias=False, dtype=head.weight.dtype, device=head.weight.device)
-    sub.weight = nn.Parameter(head.weight.detach().index_select(0, ids).contiguous(), requires_grad=False)
+    rows = head.weight.detach().index_select(0, ids.to(head.weight.device))  # [K, H]
+    sub.weight = nn.Parameter(rows.contiguous(), requires_grad=False)
     return sub

@@ -33,8 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from specmesh.config import MeshConfig, literal_host
-from specmesh.netutil import free_port
 from specmesh.health_probe import check_serving, probe_tls_for, wait_serving
+from specmesh.netutil import free_port
 from specmesh.procutil import wait_or_kill
 from specmesh.rpc.client_tls import ClientTls
 

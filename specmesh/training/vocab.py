@@ -38,8 +38,7 @@ def count_tokens(sequences, vocab_size: int) -> torch.Tensor:
 def rank_tokens(counts: torch.Tensor, first: list[int]) -> torch.Tensor:
     """Every token id, `first` (in order) then by count descending, ties by id: [V] int32."""
     v = counts.shape[0]
-    key = counts.to(torch.float64) * v - torch.arange(v, dtype=torch.float64)  # count desc, then id asc
-    order = torch.argsort(key, descending=True, stable=True).tolist()
+    order = torch.argsort(counts, descending=True, stable=True).tolist()  # stable: equal counts by id
     head = [t for t in dict.fromkeys(first) if 0 <= t < v]
     taken = set(head)
     return torch.tensor(head + [t for t in order if t not in taken], dtype=torch.int32)
