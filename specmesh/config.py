@@ -336,6 +336,11 @@ class TargetWorkerConfig:
     # probe finds it 1.5x faster, bitwise or not (bf16 on CPUs without AMX: ~5x; the AR then differs
     # from HF generate in near-ties, still bitwise the target alone for speculation); false: never
     attention_fold: bool | str = "auto"
+    # bf16 batched steps' decoder linears of 2-32 rows from a kernel reading each weight once for
+    # every row (specmesh/engine/bf16rows.py; AVX512-BF16): auto where a start-up probe finds it
+    # faster than oneDNN's prepacked calls, true wherever it builds, false never. A lone row (AR),
+    # prefills and deterministic steps always keep oneDNN's (HF's) arithmetic
+    bf16_rows: bool | str = "auto"
     # a verify batch waits up to this fraction of the last verify forward for the sequences between
     # two rounds, so concurrent requests share one forward instead of trailing into the next; 0: off
     batch_gather: float = 0.3
@@ -354,6 +359,7 @@ class TargetWorkerConfig:
                "must be true, false, own or auto")
         _check(self.cpu_kernel in (True, False, "auto"), f"{key}.cpu_kernel", "must be true, false or auto")
         _check(self.attention_fold in (True, False, "auto"), f"{key}.attention_fold", "must be true, false or auto")
+        _check(self.bf16_rows in (True, False, "auto"), f"{key}.bf16_rows", "must be true, false or auto")
         _check(self.drain_timeout_s >= 0, f"{key}.drain_timeout_s", "must be >= 0")
 
 

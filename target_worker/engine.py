@@ -25,7 +25,7 @@ from specmesh.core.costmodel import VerifyCost
 from specmesh.core.sampling import make_generator
 from specmesh.core.tree import tree_layout
 from specmesh.core.types import DraftProposal, FeatureSpec, NgramBurst, PrefillOutcome, SamplingParams, VerifyOutcome
-from specmesh.engine import attention, cpu_gemm, row_attn, rowexact
+from specmesh.engine import attention, bf16rows, cpu_gemm, row_attn, rowexact
 from specmesh.engine.batcher import Batcher
 from specmesh.engine.pool import new_pool
 from specmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
@@ -45,12 +45,14 @@ def resolve_batch_invariant(model, setting: bool | str) -> int:
 class TargetEngine(ModelThread):
     def __init__(self, model, max_batch_size: int, max_sequences: int, max_tokens: int, idle_timeout_s: float,
                  max_queue: int = 1024, batch_invariant: bool | str = False, cpu_kernel: bool | str = "auto",
-                 batch_gather: float = 0.0, attention_fold: bool | str = "auto", draft_trim: bool = False):
+                 batch_gather: float = 0.0, attention_fold: bool | str = "auto", draft_trim: bool = False,
+                 bf16_rows: bool | str = "auto"):
         # cpu_kernel: float32 linears of a step from packed weights (specmesh/engine/cpu_gemm.py)
         # where it builds and runs; batch_invariant: verify with one-token kernels and prefill
         # unpacked, so the output is bitwise the target alone's whatever the batch (rowexact.py);
         # attention_fold: one-token rows' attention laid out as rows where faster (attention.py)
         attention.configure(attention_fold)
+        bf16rows.configure(bf16_rows)  # batched bf16 rows of the decoder's linears (bf16rows.py)
         self.cpu_kernel = bool(cpu_kernel) and cpu_gemm.install(model)
         self.row_exact = resolve_batch_invariant(model, batch_invariant)  # 0 / 1 / 2 (rowexact.rows)
         self.batch_invariant = bool(self.row_exact)

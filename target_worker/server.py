@@ -135,7 +135,8 @@ def main(argv=None) -> int:
     engine = TargetEngine(model, wcfg.max_batch_size, c.max_sequences, c.max_tokens, c.idle_timeout_s,
                           max_queue=bp.max_inflight + bp.max_queue, batch_invariant=wcfg.batch_invariant,
                           cpu_kernel=wcfg.cpu_kernel, batch_gather=wcfg.batch_gather,
-                          attention_fold=wcfg.attention_fold, draft_trim=wcfg.draft_trim)
+                          attention_fold=wcfg.attention_fold, draft_trim=wcfg.draft_trim,
+                          bf16_rows=wcfg.bf16_rows)
     param = next(model.parameters())
     log.info("target %s (%s) loaded: %s on %s, KV pool %d tokens (%.1f MB), CPU verify kernel %s (%.1f MB packed), "
              "batch_invariant %s -> %s%s", model_dir, model_fingerprint(model_dir) or "no manifest", dtype_name(param.dtype), param.device, engine.pool.max_tokens,

@@ -142,6 +142,8 @@ def micro_markdown(doc: dict) -> str:
              f"{m.get('date')}", ""]
     if doc.get("onednn"):
         lines += [f"oneDNN-prepacked bf16 linears (probe: rows bitwise F.linear's, one-row speed-up): {doc['onednn']}", ""]
+    if doc.get("bf16_rows"):
+        lines += [f"bf16 rows kernel for batched decoder linears (bf16rows.py): {doc['bf16_rows']}", ""]
     if doc.get("row_attn_bf16") is not None and doc.get("dtype") == "bfloat16" and not doc.get("draft"):
         gain = doc.get("row_attn_gain")
         lines += [f"batched rows' attention: {'the row kernel' if doc['row_attn_bf16'] else 'torch SDPA per sequence'}"
@@ -165,15 +167,17 @@ def micro_markdown(doc: dict) -> str:
 def _load(cfg, draft: bool) -> tuple:
     """(dir, model, setup) as the target worker runs it, or with draft as the draft worker runs
     its draft model (draft_worker.draft_model: the target's own when none is named)."""
-    from specmesh.engine import attention, cpu_gemm, row_attn, rowexact
+    from specmesh.engine import attention, bf16rows, cpu_gemm, row_attn, rowexact
     from specmesh.engine.loader import load_configured_model, load_draft_model
 
     if not draft:
         model_dir, model = load_configured_model(cfg.model.name, cfg.model.path, cfg.model.dtype,
                                                  cfg.model.require_manifest, cfg.model.device)
         attention.configure(cfg.target_worker.attention_fold)
+        bf16rows.configure(cfg.target_worker.bf16_rows)
         setup = {"cpu_kernel": bool(cfg.target_worker.cpu_kernel) and cpu_gemm.install(model),
-                 "onednn": getattr(model, "_specmesh_onednn_report", {})}  # prepacked bf16 linears (onednn.py)
+                 "onednn": getattr(model, "_specmesh_onednn_report", {}),  # prepacked bf16 linears (onednn.py)
+                 "bf16_rows": getattr(model, "_specmesh_bf16rows_report", {})}  # batched rows' kernel (bf16rows.py)
         # the deterministic mode as the worker runs it: auto's pick where that is one, else true's
         rowexact.install(model)
         mode = rowexact.mode_for(model, cfg.target_worker.batch_invariant) or 1  # off: time true's

@@ -33,13 +33,13 @@ from pathlib import Path
 
 import torch
 
-from specmesh.engine import onednn
+from specmesh.engine import bf16rows, onednn
 from specmesh.engine.rowprobe import packing_apply
 
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_gemm.cpp", "row_attention.cpp", "sdpa_rows.cpp",
-                                                                     "lean_layer.cpp")]
+                                                                     "lean_layer.cpp", "bf16_rows.cpp")]
 MAX_ROWS = 64  # default mode: more rows than this (a long prefill) go to the BLAS
 _EXT = None
 _TRIED = False
@@ -80,8 +80,11 @@ def unusable_reason(cpuinfo: str | None = None) -> str | None:
 
 def build_flags(cpuinfo: str | None = None) -> list[str]:
     """AVX2/FMA everywhere; AVX-512 tiles where the CPU has avx512f (same arithmetic, twice the
-    lanes: they matter where a step is compute-bound)."""
-    return ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in (cpu_flags(cpuinfo) or set()) else [])
+    lanes: they matter where a step is compute-bound); AVX512-BF16 where it has that too (the bf16
+    rows kernel, bf16rows.py)."""
+    flags = cpu_flags(cpuinfo) or set()
+    bf16 = ["-mavx512bw", "-mavx512vl", "-mavx512bf16"] if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else []
+    return ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else []) + bf16
 
 
 def _build_dir(name: str) -> str | None:
@@ -164,6 +167,7 @@ def install(model: torch.nn.Module) -> bool:
                 pack_linear(mod)
     elif head.weight.dtype == torch.bfloat16 and head.weight.device.type == "cpu":
         onednn.install(model)
+        bf16rows.install(model, load(), onednn.run)  # batched steps' 2+ rows of the decoder's linears, where faster
     model._specmesh_cpu_gemm = use
     return use
 

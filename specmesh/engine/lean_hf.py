@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from specmesh.engine import cpu_gemm, lean, onednn, onednn_stack
+from specmesh.engine import bf16rows, cpu_gemm, lean, onednn, onednn_stack
 from specmesh.engine.rowexact import chunking, linear_forward
 from specmesh.engine.rowprobe import _ACTIVE
 
@@ -137,6 +137,17 @@ def _cpp_plan(lay: _Layer, t: int) -> list[tuple[int, int]] | None:
     return [chunking(getattr(k, "_specmesh_rows", 0), getattr(k, "_specmesh_rows2", 0), active) for k in kinds]
 
 
+def _weights(lay: _Layer, t: int, step: int) -> tuple:
+    """The C++ halves' four weights (q/k/v, o, gate/up, down): the bf16 rows kernel's copies for a
+    default-mode step of 2+ rows (bf16rows.py) where all four have one, else oneDNN's."""
+    kinds = (lay.qkv, lay.o, lay.gate_up, lay.down)
+    if step <= 0 and bf16rows.applies(t, onednn.in_prefill()):
+        rows = [getattr(k, "_specmesh_bf16rows", None) for k in kinds]
+        if all(w is not None for w in rows):
+            return tuple(rows)
+    return tuple(k._specmesh_onednn for k in kinds)
+
+
 @torch.inference_mode()
 def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, attend,
             hidden: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
@@ -151,12 +162,11 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, 
         if plan is not None:  # the same ops in C++ (csrc/lean_layer.cpp), attention still attend's
             (s1, f1), (so, fo), (sg, fg), (sd, fd) = plan
             n1, n2, st1, st2 = lay.norm1, lay.norm2, lay.qkv, lay.gate_up
-            q, k, v = ext.lean_pre(x, n1.weight, n1.variance_epsilon, st1._specmesh_onednn, st1.bias, s1, f1, cos, sin,
-                                   heads, kv_heads, d)
+            w1, wo, w2, wd = _weights(lay, t, s1)
+            q, k, v = ext.lean_pre(x, n1.weight, n1.variance_epsilon, w1, st1.bias, s1, f1, cos, sin, heads, kv_heads, d)
             o = attend(lay.idx, q, k, v, lay.scale)  # [1, T, H, D]
-            x = ext.lean_post(x, o, lay.o._specmesh_onednn, lay.o.bias, so, fo, n2.weight, n2.variance_epsilon,
-                              st2._specmesh_onednn, st2.bias, sg, fg, lay.gate.out_features, lay.down._specmesh_onednn,
-                              lay.down.bias, sd, fd)
+            x = ext.lean_post(x, o, wo, lay.o.bias, so, fo, n2.weight, n2.variance_epsilon, w2, st2.bias, sg, fg,
+                              lay.gate.out_features, wd, lay.down.bias, sd, fd)
         else:
             x = _layer(lay, x, cos, sin, attend, (t, heads, kv_heads, d))
         if i + 1 in keep and i + 1 < len(inner.layers):

@@ -43,7 +43,7 @@ import logging
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import probecache
+from specmesh.engine import bf16rows, probecache
 from specmesh.engine.rowprobe import _wide, best_s, packing_apply
 
 log = logging.getLogger(__name__)
@@ -169,10 +169,11 @@ def install(model: torch.nn.Module) -> dict[str, dict]:
 
 
 def packed_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the prepacked copies (0 where none), stacks (onednn_stack.Stack) included."""
+    """Bytes of the prepacked copies (0 where none), stacks (onednn_stack.Stack) and the bf16 rows
+    kernel's copies (bf16rows.py) included."""
     held = [m._specmesh_onednn for m in model.modules() if getattr(m, "_specmesh_onednn", None) is not None]
     held += [st._specmesh_onednn for st in getattr(model, "_specmesh_onednn_stacks", ())]  # onednn_stack.py
-    return sum(w.numel() * w.element_size() for w in held)
+    return sum(w.numel() * w.element_size() for w in held) + bf16rows.packed_bytes(model)
 
 
 @contextlib.contextmanager
@@ -229,6 +230,10 @@ def packed(mod: torch.nn.Linear, x2: torch.Tensor) -> torch.Tensor | None:
         return None
     if _PREFILL.get() and x2.shape[0] > mod._specmesh_onednn_equal:
         return None
+    if bf16rows.applies(x2.shape[0], _PREFILL.get()):  # 2+ rows of a batched step: the rows kernel
+        y = bf16rows.call(mod, x2)
+        if y is not None:
+            return y
     return _call(mod, x2)
 
 

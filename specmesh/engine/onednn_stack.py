@@ -14,7 +14,7 @@ import ctypes.util
 
 import torch
 
-from specmesh.engine import onednn, probecache
+from specmesh.engine import bf16rows, onednn, probecache
 from specmesh.engine.rowprobe import _wide
 
 
@@ -36,6 +36,7 @@ class Stack:
             self.cols.append((at, at + m.out_features))
             m._specmesh_onednn_part, m._specmesh_onednn = (self, at, at + m.out_features), None
             at += m.out_features
+        bf16rows.stack(self, mods)  # the members' bf16 rows kernel copies, stacked alike
 
     @property
     def _specmesh_rows(self) -> int:  # rowexact's probed counts (read per step: the probe may come later)

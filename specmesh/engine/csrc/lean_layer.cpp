@@ -28,7 +28,15 @@ int64_t bucket(int64_t m) {  // onednn.bucket
   return (m + s - 1) / s * s;
 }
 
-at::Tensor run(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b) {  // onednn.run
+}  // namespace
+
+torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias);  // bf16_rows.cpp
+
+namespace {
+
+// onednn.run, or (a [N/32, K/2, 64] weight: bf16rows.py's copy, default-mode steps of 2+ rows) bf16_rows
+at::Tensor run(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b) {
+  if (wp.dim() == 3) return bf16_rows(x, wp, b);
   const int64_t m = x.size(0), pad = bucket(m) - m;
   const at::Tensor xi = pad ? at::cat({x, x.new_zeros({pad, x.size(1)})}) : x;
   at::Tensor y = linear_op().call(xi, wp, b, "none", c10::List<std::optional<c10::Scalar>>(),

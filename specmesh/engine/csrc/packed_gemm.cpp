@@ -279,6 +279,11 @@ at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
                        const std::vector<at::Tensor>& paths, const std::vector<at::Tensor>& offs, std::optional<double> scale,
                        bool fold, int64_t width);
 
+// bf16_rows.cpp
+bool bf16_rows_built();
+torch::Tensor bf16_pack(torch::Tensor w);
+torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T + bias from packed panels, float32, row-invariant (AVX2/FMA)");
@@ -286,5 +291,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sdpa_rows", &sdpa_rows, "a sequence's rows as one-token steps on torch SDPA, each bitwise its own call (deterministic mode)");
   m.def("lean_pre", &lean_pre, "lean_hf's layer up to attention: norm, stacked q/k/v, RoPE (prepacked bf16 linears)");
   m.def("pool_attend", &pool_attend, "kv._attend's SDPA sequences in one call: KV written in place, HF's SDPA calls");
+  m.def("bf16_rows_built", &bf16_rows_built, "whether bf16_rows was built with AVX512-BF16");
+  m.def("bf16_pack", &bf16_pack, "pack a [N, K] bf16 weight into [N/32, K/2, 64] panel pairs (k-pairs interleaved)");
+  m.def("bf16_rows", &bf16_rows, "y = x @ W^T + bias, bf16, float32 sums, row-invariant (AVX512-BF16)");
   m.def("lean_post", &lean_post, "lean_hf's layer after attention: o_proj, residual, norm, gate/up, SiLU, down, residual");
 }
