@@ -11,7 +11,9 @@ import logging
 import time
 
 from specmesh.core.features import FeatureFeed
-from specmesh.core.tree import build_tree
+from specmesh.config import MAX_DRAFT_TOKENS
+from specmesh.core.tree import build_tree, graft_chain
+from specmesh.core.treepolicy import path_nodes
 from specmesh.core.types import DraftProposal, NgramBurst
 from specmesh.errors import DeadlineExceeded, SpecmeshError
 
@@ -24,7 +26,8 @@ class Drafting:
     _drafted_any, _remaining and _wants_features; sets method / k / _key / _chose_zero (this
     round's drafter, k, policy key, and whether k = 0 was chosen), _predrafted (this round's draft
     was a pre-draft that hit) and, with tails, _table / _tail_waited (this round's tail, and
-    whether the round waited for it)."""
+    whether the round waited for it) and _grafted (the block tree's own nodes where this round's
+    tree carries an n-gram graft, else None); reads graft (the n-gram proposer for grafts)."""
 
     def _settings(self) -> tuple[str, int]:
         """This round's (drafter, k): the request's own, through the hot switch when there is one."""
@@ -236,7 +239,34 @@ class Drafting:
                 return self._draft_failed("the draft tier returned no candidate table")
             self._table = got[1:]
         tree = build_tree(*self._table, self.rounds.nodes, max_depth=k)
+        return self._graft(context, tree, k)
+
+    def _graft(self, context: list[int], tree, k: int) -> DraftProposal:
+        """The round's tree, with the coordinator's n-gram draft (up to k tokens, drafted only on a
+        match of coordinator.ngram_graft tokens or more) added as a root path where it leaves the
+        tree: one forward verifies both, and the walk takes whichever the target agrees with
+        (lossless at any temperature: core/tree.py). Copying text (extraction, edits of code in the
+        prompt) gets the n-gram's long accepted runs, other text the drafter's tree."""
+        self._grafted = None
+        chain = self.graft(context, min(k, MAX_DRAFT_TOKENS - len(tree.tokens))) if self.graft and tree.tokens else []
+        if chain:
+            grafted, added = graft_chain(tree, chain)
+            if added:
+                self._grafted, tree = len(tree.tokens), grafted
+                self.stats.graft_rounds += 1
         return DraftProposal(tree.tokens, None, tree.parents)
+
+    def _ungrafted(self, draft: DraftProposal, accepted: int, emitted: list[int]) -> tuple[DraftProposal, int]:
+        """(the block tree of this round without its graft, the nodes of it the target accepted):
+        what the tree policy learns from (a graft's tokens are not the drafter's). The accepted
+        nodes past the tree's own path count as the graft's (stats.graft_tokens)."""
+        n, self._grafted = self._grafted, None
+        if n is None or draft.parents is None:
+            return draft, accepted
+        base = DraftProposal(draft.token_ids[:n], None, draft.parents[:n])
+        own = len(path_nodes(base.parents, base.token_ids, emitted[:accepted]))
+        self.stats.graft_tokens += accepted - own
+        return base, own
 
     def _take_features(self, rows) -> None:
         """rows: [n+1, F] features of the slots a verify round committed (before its tokens are emitted)."""

@@ -77,13 +77,16 @@ class Generation(Drafting):
                  reroute=None, max_reroutes: int = 0, target_timeout_s: float | None = None,
                  control=None, observer=None, feature_spec: FeatureSpec | None = None,
                  rate_book: RateBook | None = None, local_drafters: dict | None = None, overlap=None, tables=None,
-                 decode_steps: int = 1, lookup: tuple[int, int] | None = None, fresh_tables: bool = True):
+                 decode_steps: int = 1, lookup: tuple[int, int] | None = None, fresh_tables: bool = True,
+                 graft=None):
         self.req, self.target, self.drafts = req, target, drafts
         self.decode_steps = decode_steps  # target steps per Verify call in a burst (_burst)
         self.lookup = lookup  # (min_n, max_n): n-gram rounds burst, the target drafting each step; None: not
         # local_drafters: {method: propose(context, k) -> tokens} run here, with no hop to the draft
         # tier (n-gram: the context is already here); other methods go to the draft tier
         self.local = dict(local_drafters or {})
+        # graft(context, k) -> tokens: an n-gram draft added to each block tree (Drafting._graft); None: none
+        self.graft, self._grafted = graft, None
         # overlap: an Executor to draft round r+1 on while round r verifies (predraft.py); None: off
         self._guess: int | None = None
         self.predraft = None if overlap is None or drafts is None else Predrafter(
@@ -173,7 +176,8 @@ class Generation(Drafting):
             self.stats.verify_time_s += time.monotonic() - t0
         self.rounds.take_cost(outcome.cost)
         draft = self._verified(draft, outcome)
-        self.rounds.learn(self._key, draft, outcome.accepted,
+        learnt, accepted = self._ungrafted(draft, outcome.accepted, outcome.tokens)
+        self.rounds.learn(self._key, learnt, accepted,
                           None if self._predrafted else self.stats.draft_time_s - draft_s, emitted=outcome.tokens)
         self.rounds.observe(self.method, bool(draft.token_ids), time.monotonic() - started, len(outcome.tokens))
         steps = self._record(draft, outcome)

@@ -69,6 +69,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.local_drafters = ({"ngram": lambda context, k: propose_ngram(context, k, ng.min_n, ng.max_n)}
                                if cfg.coordinator.local_ngram else {})
         self.lookup = (ng.min_n, ng.max_n) if cfg.coordinator.local_ngram and cfg.coordinator.ngram_bursts else None
+        g = cfg.coordinator.ngram_graft  # block trees carry an n-gram draft on a match of >= g tokens
+        self.graft = (lambda context, k: propose_ngram(context, k, g, max(g, ng.max_n))) if g else None
 
     def _speculation_changed(self, state) -> None:
         observe.speculation_changed(state)
@@ -99,7 +101,8 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
                           local_drafters=self.local_drafters,
                           overlap=self.predraft_pool if c.overlap_drafting else None,
                           tables=self.predraft_pool if c.block_tables else None,
-                          decode_steps=c.decode_steps, lookup=self.lookup, fresh_tables=c.fresh_tables), arm
+                          decode_steps=c.decode_steps, lookup=self.lookup, fresh_tables=c.fresh_tables,
+                          graft=self.graft), arm
 
     def _final(self, gen: Generation, tel, cls, **fields):
         usage = pb.Usage(prompt_tokens=len(gen.req.prompt_ids), completion_tokens=len(gen.out.token_ids))

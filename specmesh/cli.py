@@ -88,6 +88,8 @@ def response_json(resp) -> dict:
             "accepted_per_position": list(spec.accepted_per_position),
             "draft_failures": spec.draft_failures,
             "tier_down_rounds": spec.tier_down_rounds,
+            "graft_rounds": spec.graft_rounds,
+            "graft_tokens": spec.graft_tokens,
             "feature_bytes": spec.feature_bytes,
             "draft_feature_bytes": spec.draft_feature_bytes,
             "arm": spec.arm,

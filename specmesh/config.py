@@ -214,6 +214,10 @@ class CoordinatorConfig:
     # with block_tables, alone: a round may pass an older table's tail over and wait for a table at
     # its own anchor, where the goodput rule predicts that emits faster (RoundPolicy.fresh_beats_tail)
     fresh_tables: bool = True
+    # the block drafter's trees also carry the coordinator's n-gram draft (draft_worker.ngram's
+    # max_n) as a root path where the context's suffix matched at least this many tokens earlier:
+    # one forward verifies both (coordinator/drafting.py Drafting._graft); 0: off
+    ngram_graft: int = 2
     canary: CanaryConfig = field(default_factory=CanaryConfig)  # the speculation canary (docs/rollout.md)
 
     def validate(self, key: str) -> None:
@@ -229,6 +233,7 @@ class CoordinatorConfig:
         _check(self.target_call_timeout_s > 0, f"{key}.target_call_timeout_s", "must be > 0")
         _check(1 <= self.decode_steps <= 64, f"{key}.decode_steps", "1..64")
         _check(self.max_target_failovers >= 0, f"{key}.max_target_failovers", "must be >= 0")
+        _check(0 <= self.ngram_graft <= 64, f"{key}.ngram_graft", "0 (off) or a match length in 1..64")
 
 
 @dataclass(frozen=True)

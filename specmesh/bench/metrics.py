@@ -209,6 +209,17 @@ def trimmed_share(records: list[RequestRecord]) -> float | None:
     return cut / drafted if drafted else None
 
 
+def grafts(records: list[RequestRecord]) -> dict | None:
+    """Block trees carrying an n-gram graft (coordinator.ngram_graft): their share of the
+    rounds and the tokens accepted on the graft past the drafter's own nodes; None where none."""
+    spec = [r.spec for r in records if r.spec]
+    grafted = sum(int(s.get("graft_rounds", 0)) for s in spec)
+    if not grafted:
+        return None
+    rounds = sum(int(s.get("rounds", 0)) for s in spec)
+    return {"rounds": grafted, "share": grafted / max(1, rounds), "tokens": sum(int(s.get("graft_tokens", 0)) for s in spec)}
+
+
 def aggregate(records: list[RequestRecord], wall_s: float) -> dict:
     """The metrics of one run: throughput over wall_s, latency percentiles (ms), acceptance."""
     ok = [r for r in records if r.ok]
@@ -234,6 +245,7 @@ def aggregate(records: list[RequestRecord], wall_s: float) -> dict:
         "time_fraction": time_fractions(ok),
         "predraft": predrafts(ok),
         "trimmed_share": trimmed_share(ok),
+        "graft": grafts(ok),
         "draft_failures": sum(int(r.spec.get("draft_failures", 0)) for r in ok if r.spec),
         "tier_down_rounds": sum(int(r.spec.get("tier_down_rounds", 0)) for r in ok if r.spec),
     }

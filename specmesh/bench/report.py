@@ -122,6 +122,9 @@ def acceptance_section(doc: dict) -> list[str]:
                f"{pre['wait_s_per_round'] * 1e3:.0f} ms waited for a hit per round"
                + (f", {pre['waited_share']:.0%} of rounds waited for a draft" if pre.get("waited_share") else "")
                if pre else "")
+        graft = r.get("graft")
+        pre += (f"; {graft['share']:.0%} of rounds carried an n-gram graft, {graft['tokens']} tokens accepted on it"
+                if graft else "")
         lines.append(f"- {_label(r)} @ {_level(r)}: per-position acceptance [{pos}]; "
                      f"acceptance-length histogram {{{hist}}}{chosen}{frac}{pre}")
     return (["", "### Acceptance"] + lines) if lines else []

@@ -70,6 +70,8 @@ def spec_to_dict(spec: pb.SpecStats) -> dict:
         "draft_wait_s": spec.draft_wait_s,
         "draft_waits": spec.draft_waits,
         "trimmed_tokens": spec.trimmed_tokens,
+        "graft_rounds": spec.graft_rounds,
+        "graft_tokens": spec.graft_tokens,
     }
 
 

@@ -94,6 +94,27 @@ def build_tree(logprobs: torch.Tensor, tokens: torch.Tensor, budget: int, max_de
     return DraftTree(out_tok, out_par, out_score)
 
 
+def graft_chain(tree: DraftTree, chain: list[int]) -> tuple[DraftTree, int]:
+    """The tree with a chain of drafts (an n-gram match's continuation) added as a root path:
+    the chain walks the tree's nodes while they carry its tokens, and the rest of it is appended
+    below the last one it reached, so siblings stay distinct and the first len(tree.tokens) nodes
+    are the tree unchanged (index, token and parent). -> (grafted tree, nodes added). A graft
+    never changes the walk's law (module doc): it only caches more of the target's rows."""
+    tokens, parents, scores = list(tree.tokens), list(tree.parents), list(tree.scores)
+    children: dict[tuple[int, int], int] = {(p, t): i for i, (t, p) in enumerate(zip(tokens, parents))}
+    node = -1
+    for tok in chain:
+        nxt = children.get((node, tok))
+        if nxt is None:  # off the tree from here: the rest of the chain hangs below node
+            nxt = len(tokens)
+            tokens.append(int(tok))
+            parents.append(node)
+            scores.append(float("-inf"))  # not the drafter's: no drafter log-probability
+            children[(node, tok)] = nxt
+        node = nxt
+    return DraftTree(tokens, parents, scores), len(tokens) - len(tree.tokens)
+
+
 def tree_layout(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Verify-forward layout of [root, drafts]: (ancestor mask [N+1, N+1] bool, depths [N+1] long).
 

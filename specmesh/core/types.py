@@ -141,6 +141,8 @@ class SpecStats:
     draft_wait_s: float = 0.0  # overlap: time rounds waited for a pre-draft (a table) still in flight
     draft_waits: int = 0  # block tables: drafting rounds that waited for their draft (> 2 ms)
     trimmed_tokens: int = 0  # drafts the target left unverified for its batch's sake (core/trim.py)
+    graft_rounds: int = 0  # block trees that carried an n-gram graft (coordinator.ngram_graft)
+    graft_tokens: int = 0  # tokens accepted past the drafter's own nodes, on the graft
 
     def record(self, drafted: int, accepted: int, emitted: int, positions: int | None = None) -> None:
         """positions: draft positions (depths) of the round; default = drafted (a chain). A draft

@@ -211,6 +211,8 @@ def stats_to_pb(stats: SpecStats, method: str) -> pb.SpecStats:
         draft_wait_s=stats.draft_wait_s,
         draft_waits=stats.draft_waits,
         trimmed_tokens=stats.trimmed_tokens,
+        graft_rounds=stats.graft_rounds,
+        graft_tokens=stats.graft_tokens,
     )
 
 
