@@ -341,10 +341,10 @@ class TargetWorkerConfig:
     # probe finds it 1.5x faster, bitwise or not (bf16 on CPUs without AMX: ~5x; the AR then differs
     # from HF generate in near-ties, still bitwise the target alone for speculation); false: never
     attention_fold: bool | str = "auto"
-    # bf16 verify steps' decoder linears of 2-32 rows from a kernel reading each weight once for
+    # bf16 batched steps' decoder linears of 2-32 rows from a kernel reading each weight once for
     # every row (specmesh/engine/bf16rows.py; AVX512-BF16): auto where a start-up probe finds it
-    # faster than oneDNN's prepacked calls, true wherever it builds, false never. One-token rows
-    # (AR, alone or batched), prefills and deterministic steps keep oneDNN's (HF's) arithmetic
+    # faster than oneDNN's prepacked calls, true wherever it builds, false never. A lone row (AR),
+    # prefills and deterministic steps always keep oneDNN's (HF's) arithmetic
     bf16_rows: bool | str = "auto"
     # a verify batch waits up to this fraction of the last verify forward for the sequences between
     # two rounds, so concurrent requests share one forward instead of trailing into the next; 0: off

@@ -8,12 +8,9 @@ runs a few rows far below what the memory allows. Measured on a 2-core Intel Xeo
 oneDNN 25.9 / 30.2 / 41.7, the kernel 21.4 / 24.1 / 29.0. A verify round's rows cost what a
 decode step's one does.
 
-Where: only in default-mode steps that verify drafts (a sequence with 2+ new rows) and hold no
-prompt's prefill. Steps of one-token rows (the AR, alone or several sequences batched) keep
-oneDNN's calls, bitwise its one-row calls, i.e. HF's (onednn.py): the target alone gives the same
-tokens at any concurrency (a first version ran batched decode rows on it too: 42 AR tokens at
-concurrency 4 / 16 then differed from concurrency 1's in a 32-prompt run). A deterministic step
-(rowexact) never runs it. The kernel is row-invariant (each output one float32 chain over k
+Where: only in default-mode steps without a prompt's prefill, and never for a lone row, so the
+mesh's AR (one row a step) stays bitwise oneDNN's, i.e. HF's (onednn.py), and a deterministic
+step (rowexact) never runs it. The kernel is row-invariant (each output one float32 chain over k
 in order), but its sums are not oneDNN's: batched rows may differ from the one-row step in the last
 bit, as batched rows already may (`batch_invariant: false`). The LM head keeps oneDNN (compute-
 bound at 5+ rows on either). `target_worker.bf16_rows`: auto (the probe), true, false.
@@ -53,12 +50,8 @@ def weight_of(mod) -> torch.Tensor | None:
     return None if part is None else getattr(part[0], "_specmesh_bf16rows", None)
 
 
-def applies(rows: int, prefill: bool, verify: bool) -> bool:
-    """Whether a default-mode call of `rows` rows takes the kernel: a step that verifies drafts
-    (a sequence with 2+ new rows) and holds no prompt's prefill. Steps of one-token rows only
-    (AR, alone or batched) keep oneDNN's, bitwise the one-row calls (HF's): the target alone
-    gives the same tokens at any concurrency."""
-    return MIN_ROWS <= rows <= MAX_ROWS and verify and not prefill
+def applies(rows: int, prefill: bool) -> bool:
+    return MIN_ROWS <= rows <= MAX_ROWS and not prefill
 
 
 def call(mod, x2: torch.Tensor) -> torch.Tensor | None:

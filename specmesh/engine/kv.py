@@ -299,8 +299,7 @@ def batched_step(
     pos = torch.tensor(positions, dtype=torch.long).to(device)[None]  # [1, T]
     token = _PLAN.set(plan)
     try:
-        with rowexact.rows(row_exact), cpu_gemm.active(), onednn.step(any(kv.length == 0 for kv in kvs),
-                                                                        any(len(t) > 1 for t in inputs)):
+        with rowexact.rows(row_exact), cpu_gemm.active(), onednn.step(any(kv.length == 0 for kv in kvs)):
             if _lean_ok(model, plan, ids.shape[1], row_exact):
                 states = dict.fromkeys(hidden_layers)  # index -> [T, H], filled by the forward
                 final = lean.forward(model, ids[0], pos[0], plan.rows, states)  # [T, H]

@@ -139,9 +139,9 @@ def _cpp_plan(lay: _Layer, t: int) -> list[tuple[int, int]] | None:
 
 def _weights(lay: _Layer, t: int, step: int) -> tuple:
     """The C++ halves' four weights (q/k/v, o, gate/up, down): the bf16 rows kernel's copies for a
-    default-mode verify step of 2+ rows (bf16rows.py) where all four have one, else oneDNN's."""
+    default-mode step of 2+ rows (bf16rows.py) where all four have one, else oneDNN's."""
     kinds = (lay.qkv, lay.o, lay.gate_up, lay.down)
-    if step <= 0 and bf16rows.applies(t, onednn.in_prefill(), onednn.in_verify()):
+    if step <= 0 and bf16rows.applies(t, onednn.in_prefill()):
         rows = [getattr(k, "_specmesh_bf16rows", None) for k in kinds]
         if all(w is not None for w in rows):
             return tuple(rows)

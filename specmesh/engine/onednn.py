@@ -54,7 +54,6 @@ EQUAL_TRIALS = 4  # random draws per shape
 EQUAL_HEAD_TRIALS = 2  # ... for the LM head (a V x H product: each draw costs ~0.5 s)
 TIME_REPEATS = 5
 _PREFILL: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_onednn_prefill", default=False)
-_VERIFY: contextvars.ContextVar[bool] = contextvars.ContextVar("specmesh_onednn_verify", default=False)
 
 
 def available() -> bool:
@@ -178,16 +177,14 @@ def packed_bytes(model: torch.nn.Module) -> int:
 
 
 @contextlib.contextmanager
-def step(prefill: bool, verify: bool = False):
+def step(prefill: bool):
     """Inside batched_step: whether the step holds a prompt's prefill (then calls past a linear's
-    equal_rows keep F.linear), and whether it verifies drafts (a sequence with 2+ new rows: the
-    only steps bf16rows' kernel may run)."""
-    tokens = _PREFILL.set(prefill), _VERIFY.set(verify)
+    equal_rows keep F.linear)."""
+    token = _PREFILL.set(prefill)
     try:
         yield
     finally:
-        _PREFILL.reset(tokens[0])
-        _VERIFY.reset(tokens[1])
+        _PREFILL.reset(token)
 
 
 def probe_apply():
@@ -209,11 +206,6 @@ def is_own(mod: torch.nn.Module) -> bool:
 def in_prefill() -> bool:
     """Whether the running step holds a prompt's prefill (step())."""
     return _PREFILL.get()
-
-
-def in_verify() -> bool:
-    """Whether the running step verifies drafts (step())."""
-    return _VERIFY.get()
 
 
 def _call(mod: torch.nn.Module, x2: torch.Tensor) -> torch.Tensor:
@@ -238,7 +230,7 @@ def packed(mod: torch.nn.Linear, x2: torch.Tensor) -> torch.Tensor | None:
         return None
     if _PREFILL.get() and x2.shape[0] > mod._specmesh_onednn_equal:
         return None
-    if bf16rows.applies(x2.shape[0], _PREFILL.get(), _VERIFY.get()):  # a batched verify's rows: the rows kernel
+    if bf16rows.applies(x2.shape[0], _PREFILL.get()):  # 2+ rows of a batched step: the rows kernel
         y = bf16rows.call(mod, x2)
         if y is not None:
             return y
