@@ -1,7 +1,8 @@
 """The bf16 rows kernel (csrc/bf16_rows.cpp, specmesh/engine/bf16rows.py): its sums against a
 float reference, row-invariance (batched rows bitwise its one-row calls), and where the engine
-runs it: default-mode steps of 2+ rows only; a lone row (AR), a prompt's prefill and deterministic
-steps keep oneDNN's arithmetic, bitwise the plain model's."""
+runs it: default-mode steps of 2+ rows (a verify's, several sequences' decode rows); a lone row
+(AR alone), a prompt's prefill and deterministic steps keep oneDNN's arithmetic, bitwise the plain
+model's."""
 
 from __future__ import annotations
 
@@ -83,6 +84,11 @@ def test_only_a_batched_steps_rows_take_the_kernel(forced, prefilled):
     assert torch.equal(kvs[0].keys(0, 60), kvs[1].keys(0, 60)) and not calls  # a prefill: oneDNN / F.linear
     one = [batched_step(m, [kv], [[5]])[0].logits for m, kv in zip((plain, model), kvs)]
     assert torch.equal(one[0], one[1]) and not calls  # a lone row (AR): oneDNN's, bitwise the plain model's
+    twice = prefilled(model, prompt[:30])
+    calls.clear()
+    batched_step(model, [kvs[1], twice], [[5], [9]])
+    assert calls and set(calls) == {2}  # two sequences' decode rows (AR at concurrency 2): the kernel
+    calls.clear()
     five = [batched_step(m, [kv], [[5, 6, 7, 8, 9]])[0].logits for m, kv in zip((plain, model), kvs)]
     assert calls and set(calls) == {5}  # a verify's 5 rows: the kernel (every decoder linear)
     assert torch.allclose(five[0], five[1], atol=0.15)  # another summation order, same function
