@@ -41,16 +41,9 @@ def configure(setting: bool | str) -> None:
     _SETTING = setting
 
 
-def weight_of(mod) -> torch.Tensor | None:
-    """mod's kernel copy (its own, or its stack's), or None."""
-    own = getattr(mod, "_specmesh_bf16rows", None)
-    if own is not None:
-        return own
-    part = getattr(mod, "_specmesh_onednn_part", None)
-    return None if part is None else getattr(part[0], "_specmesh_bf16rows", None)
-
-
 def applies(rows: int, prefill: bool) -> bool:
+    """Whether a default-mode call of `rows` rows takes the kernel (never a lone row, never in a
+    step that holds a prompt's prefill)."""
     return MIN_ROWS <= rows <= MAX_ROWS and not prefill
 
 
