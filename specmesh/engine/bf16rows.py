@@ -69,8 +69,8 @@ def stack(st, mods: list[torch.nn.Linear]) -> None:
     st._specmesh_bf16rows = None
     if not mods or any(getattr(m, "_specmesh_bf16rows", None) is None for m in mods):
         return
-    with torch.no_grad():
-        st._specmesh_bf16rows = _EXT.bf16_pack(torch.cat([m.weight.detach() for m in mods]))
+    # panel pairs are whole 32-column blocks: the members' copies, stacked, are the stack's packing
+    st._specmesh_bf16rows = torch.cat([m._specmesh_bf16rows for m in mods])
     for m in mods:
         m._specmesh_bf16rows = None
 

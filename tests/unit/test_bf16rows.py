@@ -31,6 +31,8 @@ def test_the_kernel_sums_in_float32_and_its_rows_are_its_one_row_calls(with_bias
     bias = torch.randn(96, generator=gen) if with_bias else None
     wp = ext.bf16_pack(w)
     assert tuple(wp.shape) == (3, 32, 64)
+    # packing is per 32-column block: two members' copies stacked are the stacked weight's packing
+    assert torch.equal(torch.cat([ext.bf16_pack(w[:64]), ext.bf16_pack(w[64:])]), wp)
     y = ext.bf16_rows(x, wp, bias)  # [13, 96] bf16
     ref = x.float() @ w.float().T + (0 if bias is None else bias)
     assert y.dtype == torch.bfloat16 and y.shape == (13, 96)
