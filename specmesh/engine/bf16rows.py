@@ -30,7 +30,7 @@ log = logging.getLogger(__name__)
 
 MIN_ROWS, MAX_ROWS = 2, 32  # a call of this many rows takes the kernel (a lone row: oneDNN's, HF's)
 PROBE_ROWS = (5, 9)  # the probe times a verify of 4 and of 8 drafts
-PROBE_REPEATS = 3
+PROBE_REPEATS = 5  # timed passes of each path per row count, interleaved (_probe)
 _SETTING: bool | str = "auto"
 _EXT = None  # the CPU kernels' extension (cpu_gemm.load), set by install
 
@@ -130,19 +130,25 @@ def _decide(model: torch.nn.Module, ext, onednn_run) -> dict:
 
 def _probe(mods: list[torch.nn.Linear], ext, onednn_run) -> tuple[list[float], list[float]]:
     """ms of one pass over every decoder linear (as a step streams them) at PROBE_ROWS rows:
-    oneDNN's prepacked calls, then the kernel's; the best of PROBE_REPEATS passes each."""
+    oneDNN's prepacked calls and the kernel's, the best of PROBE_REPEATS passes each. The two
+    paths' passes alternate (oneDNN, kernel, kernel, oneDNN, ...): on a shared VM whose speed
+    drifts +-10% and more within a minute, timing one path's passes after the other's let a slow
+    spell decide (a Zen 4 EPYC, session 38: kernel 13.5 / 20.5 ms against oneDNN 17.1 / 22.0 at
+    one start, 21.5 / 22.2 against 18.9 / 21.2 at the next, in a slow spell)."""
     gen = torch.Generator().manual_seed(0)
     out: tuple[list[float], list[float]] = ([], [])
     for rows in PROBE_ROWS:
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {m.in_features for m in mods}}
         paths = (lambda m: onednn_run(xs[m.in_features], m._specmesh_onednn, m.bias),
                  lambda m: ext.bf16_rows(xs[m.in_features], m._specmesh_bf16rows, m.bias))
-        for i, path in enumerate(paths):
-            best = float("inf")
-            for _ in range(PROBE_REPEATS + 1):  # the first pass warms oneDNN's primitives
+        best = [float("inf"), float("inf")]
+        for r in range(PROBE_REPEATS + 1):  # the first round warms oneDNN's primitives and the caches
+            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
                 t0 = time.perf_counter()
                 for m in mods:
-                    path(m)
-                best = min(best, time.perf_counter() - t0)
-            out[i].append(round(best * 1e3, 2))
+                    paths[i](m)
+                if r:
+                    best[i] = min(best[i], time.perf_counter() - t0)
+        for i in (0, 1):
+            out[i].append(round(best[i] * 1e3, 2))
     return out

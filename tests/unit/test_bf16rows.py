@@ -122,3 +122,22 @@ def test_false_installs_nothing_and_auto_reports_its_probe():
     assert len(report["onednn_ms"]) == len(report["kernel_ms"]) == len(bf16rows.PROBE_ROWS)
     assert report["used"] == all(k < o for o, k in zip(report["onednn_ms"], report["kernel_ms"]))
     assert (bf16rows.packed_bytes(auto) > 0) == report["used"]
+
+
+def test_the_probe_alternates_the_two_paths_passes():
+    """oneDNN's and the kernel's passes interleave (a slow spell of a shared VM weighs on both)."""
+    order = []
+
+    class Ext:
+        @staticmethod
+        def bf16_rows(x, wp, bias):
+            order.append("k")
+
+    mods = [torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16) for _ in range(2)]
+    for m in mods:
+        m._specmesh_onednn = m._specmesh_bf16rows = None
+    onednn_ms, kernel_ms = bf16rows._probe(mods, Ext, lambda x, wp, bias: order.append("o"))
+    assert len(onednn_ms) == len(kernel_ms) == len(bf16rows.PROBE_ROWS)
+    passes = "".join(order[::len(mods)])  # one letter per pass over the linears
+    rounds = bf16rows.PROBE_REPEATS + 1
+    assert passes == ("okko" * rounds)[:2 * rounds] * len(bf16rows.PROBE_ROWS)
