@@ -9,7 +9,7 @@ import sys
 import threading
 
 from specmesh.config import MAX_DRAFT_TOKENS, ConfigError
-from specmesh.engine import attention, cpu_gemm, onednn, rowexact
+from specmesh.engine import attention, cpu_gemm, exactrow, onednn, rowexact
 from specmesh.engine.loader import dtype_name, load_configured_model
 from specmesh.engine.manifest import model_fingerprint
 from specmesh.errors import InvalidArgument, ModelIntegrityError, Unavailable
@@ -147,8 +147,8 @@ def main(argv=None) -> int:
     log.info("oneDNN-prepacked bf16 linears (%.1f MB; engine.md#onednn): %s", onednn.packed_bytes(model) / 1e6,
              getattr(model, "_specmesh_onednn_report", {}) or "none")
     log.info("verify cost model (rows -> seconds, measured at start): %s", engine.measure_cost())
-    log.info("one-token attention, grouped heads as rows (attention_fold %s): %s", wcfg.attention_fold,
-             attention.decisions())
+    log.info("one-token attention, grouped heads as rows (attention_fold %s): %s; on the exact kernel "
+             "(exactrow.py): %s", wcfg.attention_fold, attention.decisions(), exactrow.decisions())
     watch_target_engine(engine)
     servicer = TargetWorkerServicer(engine, str(model_dir), admission_limiter("target_worker", bp))
     service = DrainingService("specmesh.v1.TargetWorker", wcfg.listen,

@@ -138,7 +138,8 @@ def micro_markdown(doc: dict) -> str:
              f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')} ({m.get('torch_threads')} threads), "
              f"{doc['model']} ({'draft model, ' if doc.get('draft') else ''}{doc.get('dtype', '?')}"
              f"{', int8 weights' if doc.get('weights') == 'int8' else ''}, CPU verify kernel: {doc.get('cpu_kernel', False)}, "
-             f"one-token attention folded: {doc.get('attention_fold', {})}), "
+             f"one-token attention folded: {doc.get('attention_fold', {})}, on the exact kernel: "
+             f"{doc.get('attention_exact', {})}), "
              f"{m.get('date')}", ""]
     if doc.get("onednn"):
         lines += [f"oneDNN-prepacked bf16 linears (probe: rows bitwise F.linear's, one-row speed-up): {doc['onednn']}", ""]
@@ -200,7 +201,7 @@ def main(args) -> int:
 
     from specmesh.bench.compare import command_line, machine_info
     from specmesh.config import load_config
-    from specmesh.engine import attention
+    from specmesh.engine import attention, exactrow
     from specmesh.engine.loader import dtype_name
 
     cfg = load_config(args.config)
@@ -217,7 +218,7 @@ def main(args) -> int:
         rows = run_micro(model, args.micro_context, positions, batches, args.micro_repeats, args.seed, bar,
                          trees=trees, modes=modes, row_exact=setup.get("row_exact", 1))
     doc = {"command": command_line(), "model": str(model_dir), "dtype": dtype_name(next(model.parameters()).dtype),
-           **setup, "attention_fold": attention.decisions(),
+           **setup, "attention_fold": attention.decisions(), "attention_exact": exactrow.decisions(),
            "device": str(next(model.parameters()).device),
            "context": args.micro_context, "results": rows, "machine": machine_info()}
     out = Path(args.out)

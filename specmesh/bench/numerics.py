@@ -131,7 +131,7 @@ def main(argv=None) -> int:
 
         rowexact.install(model)
         print(f"probed invariant rows: {rowexact.probed(model, args.row_floor)}")
-    from specmesh.engine import attention
+    from specmesh.engine import attention, exactrow
 
     attention.configure({"auto": "auto", "true": True, "false": False}[args.attention_fold])
     encoder = PromptEncoder.from_model_dir(model_dir)
@@ -141,7 +141,7 @@ def main(argv=None) -> int:
     result = measure(model, prompts, args.max_tokens, args.k, args.row_floor if args.batch_invariant else 0, args.vs_hf)
     result.update(model=model_dir.name, dtype=args.dtype, dataset=args.dataset, cpu_kernel=kernel,
                   row_attn_bf16=bool(getattr(model, "_specmesh_row_attn_bf16", False)),
-                  attention_fold=attention.decisions(), seconds=round(time.time() - t0, 1))
+                  attention_fold=attention.decisions(), attention_exact=exactrow.decisions(), seconds=round(time.time() - t0, 1))
     text = json.dumps(result, indent=2)
     if args.out:
         with open(args.out, "w") as f:

@@ -32,6 +32,7 @@ import threading
 import torch
 import torch.nn.functional as F
 
+from specmesh.engine import exactrow
 from specmesh.engine.rowprobe import _wide, best_s
 
 log = logging.getLogger(__name__)
@@ -130,12 +131,24 @@ def step_mask(new: torch.Tensor, length: int, dtype: torch.dtype) -> torch.Tenso
     return torch.zeros(visible.shape, dtype=dtype, device=new.device).masked_fill_(~visible, float("-inf"))
 
 
+def one_token_mode(device, dtype, heads: int, kv_heads: int, d: int, scale) -> int:
+    """How a maskless one-token row of this shape attends: 1 the folded call (fold_ok), 2 HF's call's
+    arithmetic from the exact kernel (exactrow.ok: bitwise HF's where probed), 0 HF's call. The
+    same number selects the call in csrc (pool_attend, sdpa_rows)."""
+    if heads != kv_heads and fold_ok(device, dtype, heads, kv_heads, d, scale):
+        return 1
+    return 2 if exactrow.ok(device, dtype, heads, kv_heads, d, scale) else 0
+
+
 def sdpa(q, k, v, mask, causal: bool, scale):
     """q: [1, H, n, D]; k, v: [1, KV, S, D] (pool views, in place); mask: [n, S] bool or None ->
-    [1, H, n, D]. A maskless one-token row takes the folded call where fold_ok; the rest HF's."""
-    if q.shape[2] == 1 and mask is None and not causal and q.shape[1] != k.shape[1] and \
-            fold_ok(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[3], scale):
-        return _folded(q, k, v, scale)
+    [1, H, n, D]. A maskless one-token row takes one_token_mode's call; the rest HF's."""
+    if q.shape[2] == 1 and mask is None and not causal:
+        mode = one_token_mode(q.device, q.dtype, q.shape[1], k.shape[1], q.shape[3], scale)
+        if mode == 1:
+            return _folded(q, k, v, scale)
+        if mode == 2:
+            return exactrow.run(q, k, v, scale)
     return _hf_call(q, k, v, mask, causal, scale)
 
 

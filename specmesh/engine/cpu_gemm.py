@@ -39,7 +39,7 @@ from specmesh.engine.rowprobe import packing_apply
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_gemm.cpp", "row_attention.cpp", "sdpa_rows.cpp",
-                                                                     "lean_layer.cpp", "bf16_rows.cpp")]
+                                                                     "lean_layer.cpp", "bf16_rows.cpp", "exact_row.cpp")]
 MAX_ROWS = 64  # default mode: more rows than this (a long prefill) go to the BLAS
 _EXT = None
 _TRIED = False
@@ -84,7 +84,8 @@ def build_flags(cpuinfo: str | None = None) -> list[str]:
     rows kernel, bf16rows.py)."""
     flags = cpu_flags(cpuinfo) or set()
     bf16 = ["-mavx512bw", "-mavx512vl", "-mavx512bf16"] if {"avx512f", "avx512bw", "avx512_bf16"} <= flags else []
-    return ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else []) + bf16
+    exact = ["-mavx512dq"] if bf16 and "avx512dq" in flags else []  # exact_row.cpp: ATen's AVX-512 vectors
+    return ["-O3", "-mavx2", "-mfma"] + (["-mavx512f"] if "avx512f" in flags else []) + bf16 + exact
 
 
 def _build_dir(name: str) -> str | None:

@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from specmesh.engine import cpu_gemm, lean, lean_hf, onednn, quant, row_attn, rowexact, rowgroup, rownorm
-from specmesh.engine.attention import fold_ok, sdpa, step_mask
+from specmesh.engine.attention import one_token_mode, sdpa, step_mask
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
 ATTN_NAME = "specmesh_pool"
@@ -96,9 +96,10 @@ def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
     flat, off = paths if paths is not None else (_NO_PATH, _NO_PATH)
     if ext is not None:
         heads, kv_heads = q.shape[1], k.shape[1]
-        fold = heads != kv_heads and fold_ok(q.device, q.dtype, heads, kv_heads, q.shape[3], scale)
-        width = rowgroup.width(q.device, q.dtype, heads, kv_heads, q.shape[3], scale, fold)
-        ext.sdpa_rows(q, k, v, length, flat, off, scale, fold, width, out)
+        one = one_token_mode(q.device, q.dtype, heads, kv_heads, q.shape[3], scale)
+        # the exact kernel takes a row for less than a grouped call's fixed cost: no groups then
+        width = 0 if one == 2 else rowgroup.width(q.device, q.dtype, heads, kv_heads, q.shape[3], scale, one == 1)
+        ext.sdpa_rows(q, k, v, length, flat, off, scale, one, width, out)
         return
     n = q.shape[2]
     if paths is None:
@@ -137,10 +138,11 @@ def _attend(layer: int, query, key, value, scaling) -> torch.Tensor:
     heads, d = query.shape[1], query.shape[3]
     if plan.native is not None:  # every sequence on torch's SDPA, in one C++ call (the loop below)
         pool, geo, masks, paths, offs = plan.native
-        fold = heads != key.shape[1] and fold_ok(query.device, query.dtype, heads, key.shape[1], d, scaling)
-        width = rowgroup.width(query.device, query.dtype, heads, key.shape[1], d, scaling, fold) if plan.row_exact else 0
+        one = one_token_mode(query.device, query.dtype, heads, key.shape[1], d, scaling)
+        width = rowgroup.width(query.device, query.dtype, heads, key.shape[1], d, scaling, one == 1) \
+            if plan.row_exact and one != 2 else 0
         return cpu_gemm.load().pool_attend(query, key, value, pool.k[layer], pool.v[layer], geo, masks, paths, offs,
-                                           scaling, fold, width)
+                                           scaling, one, width)
     out = None  # [T, heads, D]
     if plan.rows is not None:  # every new slot written at once; the kernel's rows in one call per pool
         out = row_attn.step(plan.rows, layer, key, value, query, scaling if scaling is not None else d**-0.5)

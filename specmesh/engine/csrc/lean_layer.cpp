@@ -9,6 +9,7 @@
 // (rowexact.floored). step <= 0: one call (the default mode's onednn.packed).
 #include <torch/extension.h>
 
+#include <cmath>
 #include <vector>
 
 namespace {
@@ -101,13 +102,17 @@ at::Tensor lean_post(const at::Tensor& x, const at::Tensor& o, const at::Tensor&
   return x1 + linear(act, wp_d, b_d, step_d, floor_d);
 }
 
+// exact_row.cpp
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, c10::optional<torch::Tensor> lse);
+
 // sdpa_rows.cpp
 void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
-               torch::Tensor off, c10::optional<double> scale, bool fold, int64_t width, torch::Tensor out);
+               torch::Tensor off, c10::optional<double> scale, int64_t one, int64_t width, torch::Tensor out);
 
 // kv.py's _attend for a step whose rows all attend with torch's SDPA in one pool: per sequence, its
 // new keys and values written to its slots, then HF's SDPA call over its slots in place (mask,
-// is_causal, or the folded one-token call: attention.sdpa's choice, made by the caller), or with
+// is_causal, or for a maskless one-token row the call `one` names: attention.one_token_mode, made by the
+// caller), or with
 // kind 2 its rows one call each (sdpa_rows: a deterministic verify). q: [1, H, T, D]; k, v:
 // [1, KV, T, D]; pk, pv: the layer's pool [KV, S, D]; geo: per sequence (offset, n, start, length,
 // kind: 0 SDPA, 1 causal, 2 rows); masks[b]: kind 0's additive mask or none; paths, offs: kind 2's
@@ -115,7 +120,7 @@ void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length
 at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pk,
                        const at::Tensor& pv, const std::vector<int64_t>& geo, const std::vector<std::optional<at::Tensor>>& masks,
                        const std::vector<at::Tensor>& paths, const std::vector<at::Tensor>& offs, std::optional<double> scale,
-                       bool fold, int64_t width) {
+                       int64_t one, int64_t width) {
   const int64_t T = q.size(2), H = q.size(1), KV = k.size(1), D = q.size(3), B = static_cast<int64_t>(masks.size());
   TORCH_CHECK(static_cast<int64_t>(geo.size()) == 5 * B && static_cast<int64_t>(paths.size()) == B &&
               static_cast<int64_t>(offs.size()) == B, "pool_attend: five numbers, a mask, a path and offsets per sequence");
@@ -128,11 +133,13 @@ at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
     const at::Tensor vs = pv.slice(1, start, start + length + n).unsqueeze(0);
     const at::Tensor qs = q.slice(2, a, a + n);
     if (kind == 2) {
-      sdpa_rows(qs, ks, vs, length, paths[b], offs[b], scale, fold, width, out.slice(0, a, a + n));
+      sdpa_rows(qs, ks, vs, length, paths[b], offs[b], scale, one, width, out.slice(0, a, a + n));
       continue;
     }
     at::Tensor o;
-    if (kind == 0 && n == 1 && !masks[b].has_value() && fold) {  // attention._folded
+    if (kind == 0 && n == 1 && !masks[b].has_value() && one == 2) {  // exactrow.run
+      o = exact_row(qs, ks, vs, scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)), c10::nullopt);
+    } else if (kind == 0 && n == 1 && !masks[b].has_value() && one == 1) {  // attention._folded
       o = at::scaled_dot_product_attention(qs.reshape({1, KV, H / KV, D}), ks, vs, {}, 0.0, false, scale)
               .reshape({1, H, 1, D});
     } else {  // attention._hf_call

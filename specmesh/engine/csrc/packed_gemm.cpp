@@ -264,7 +264,7 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
                             torch::Tensor len, torch::Tensor off, torch::Tensor extra, double scale);
 // sdpa_rows.cpp
 void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
-               torch::Tensor off, c10::optional<double> scale, bool fold, int64_t width, torch::Tensor out);
+               torch::Tensor off, c10::optional<double> scale, int64_t one, int64_t width, torch::Tensor out);
 
 // lean_layer.cpp
 std::vector<at::Tensor> lean_pre(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wp,
@@ -277,7 +277,11 @@ at::Tensor lean_post(const at::Tensor& x, const at::Tensor& o, const at::Tensor&
 at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pk,
                        const at::Tensor& pv, const std::vector<int64_t>& geo, const std::vector<std::optional<at::Tensor>>& masks,
                        const std::vector<at::Tensor>& paths, const std::vector<at::Tensor>& offs, std::optional<double> scale,
-                       bool fold, int64_t width);
+                       int64_t one, int64_t width);
+
+// exact_row.cpp
+bool exact_row_built();
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, c10::optional<torch::Tensor> lse);
 
 // bf16_rows.cpp
 bool bf16_rows_built();
@@ -291,6 +295,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("sdpa_rows", &sdpa_rows, "a sequence's rows as one-token steps on torch SDPA, each bitwise its own call (deterministic mode)");
   m.def("lean_pre", &lean_pre, "lean_hf's layer up to attention: norm, stacked q/k/v, RoPE (prepacked bf16 linears)");
   m.def("pool_attend", &pool_attend, "kv._attend's SDPA sequences in one call: KV written in place, HF's SDPA calls");
+  m.def("exact_row_built", &exact_row_built, "whether exact_row was built (AVX-512 F/BW/VL/DQ)");
+  m.def("exact_row", &exact_row, "one bf16 query row's attention in torch's CPU SDPA order, bit for bit where probed");
   m.def("bf16_rows_built", &bf16_rows_built, "whether bf16_rows was built with AVX512-BF16");
   m.def("bf16_pack", &bf16_pack, "pack a [N, K] bf16 weight into [N/32, K/2, 64] panel pairs (k-pairs interleaved)");
   m.def("bf16_rows", &bf16_rows, "y = x @ W^T + bias, bf16, float32 sums, row-invariant (AVX512-BF16)");

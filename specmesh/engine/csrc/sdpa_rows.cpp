@@ -21,18 +21,25 @@
 #include <torch/extension.h>
 
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, c10::optional<torch::Tensor> lse);
+
 namespace {
 
-// One row's attention as the one-token step computes it: HF's SDPA call (enable_gqa where the
-// heads are grouped), or with fold its kv head's query heads as rows (attention.py's _folded).
+// One row's attention as the one-token step computes it (one: attention.one_token_mode): HF's SDPA
+// call (0; enable_gqa where the heads are grouped), its kv head's query heads as rows (1,
+// attention.py's _folded), or HF's call's arithmetic from exact_row.cpp (2, exactrow.py).
 at::Tensor one_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::optional<double> scale,
-                   bool fold) {
+                   int64_t one) {
   const int64_t H = q.size(1), KV = k.size(1), D = q.size(3);
-  if (fold) {
+  if (one == 2) {
+    return exact_row(q, k, v, scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)), c10::nullopt);
+  }
+  if (one == 1) {
     auto rows = q.reshape({1, KV, H / KV, D});  // [1, KV, G, D]
     return at::scaled_dot_product_attention(rows, k, v, {}, 0.0, false, scale).reshape({1, H, 1, D});
   }
@@ -61,7 +68,7 @@ at::Tensor batch_rows(const at::Tensor& qs, const at::Tensor& k, const at::Tenso
 // rows[i] (a query row of q [1, H, n, D]) sees slots [0, lens[i]) of k, v, lens ascending: runs of
 // rows sharing floor(lens / width) in one call each (width 0: one call per row) -> out[rows[i]].
 void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const std::vector<int64_t>& rows,
-                 const std::vector<int64_t>& lens, int64_t width, c10::optional<double> scale, bool fold,
+                 const std::vector<int64_t>& lens, int64_t width, c10::optional<double> scale, int64_t one,
                  at::Tensor& out) {
   const int64_t count = static_cast<int64_t>(rows.size());
   for (int64_t a = 0, b = 0; a < count; a = b) {
@@ -69,14 +76,14 @@ void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, 
     }
     if (b - a == 1) {
       const int64_t j = rows[a];
-      out[j].copy_(one_row(q.slice(2, j, j + 1), k.slice(2, 0, lens[a]), v.slice(2, 0, lens[a]), scale, fold)[0]
+      out[j].copy_(one_row(q.slice(2, j, j + 1), k.slice(2, 0, lens[a]), v.slice(2, 0, lens[a]), scale, one)[0]
                        .select(1, 0));
       continue;
     }
     const std::vector<int64_t> part(rows.begin() + a, rows.begin() + b), seen(lens.begin() + a, lens.begin() + b);
     const auto idx = torch::tensor(part, torch::dtype(torch::kLong));
     const auto qs = q.index_select(2, idx).transpose(0, 2);  // [m, H, 1, D]
-    out.index_copy_(0, idx, batch_rows(qs, k, v, seen, scale, fold));
+    out.index_copy_(0, idx, batch_rows(qs, k, v, seen, scale, one == 1));
   }
 }
 
@@ -103,7 +110,7 @@ void check_paths(const int64_t* op, const int64_t* pp, int64_t n) {
 // that path not yet computed attends over the cache and its own prefix of the path, grouped as
 // attend_rows groups. The tree's slots are put back at the end.
 void tree_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, int64_t length, const at::Tensor& path,
-               const at::Tensor& off, c10::optional<double> scale, bool fold, int64_t width, at::Tensor& out) {
+               const at::Tensor& off, c10::optional<double> scale, int64_t one, int64_t width, at::Tensor& out) {
   const int64_t n = q.size(2);
   TORCH_CHECK(off.numel() == n + 1, "sdpa rows: one path per tree row");
   TORCH_CHECK(k.stride(3) == 1 && v.stride(3) == 1 && k.strides() == v.strides() && path.is_contiguous(),
@@ -138,7 +145,7 @@ void tree_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
       if (at[p] != node) place(p, node);
       if (!done[node]) done[node] = 1, rows.push_back(node), lens.push_back(length + p + 1);
     }
-    attend_rows(q, k, v, rows, lens, width, scale, fold, out);
+    attend_rows(q, k, v, rows, lens, width, scale, one, out);
   }
   for (int64_t p = 0; p < n; ++p) {
     if (at[p] != p) place(p, p);  // the tree's slots as they were
@@ -149,18 +156,18 @@ void tree_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, in
 
 // q: [1, H, n, D]; k, v: the sequence's views [1, KV, L + n, D] (its cache, then its n new slots);
 // path: [E] int64 (a tree: row j's ancestors as new-token indices, root first, in
-// path[off[j] .. off[j + 1])), empty for a chain; width: rows grouped by floor(slots / width) (0:
-// one call per row); out: [n, H, D], filled in place.
+// path[off[j] .. off[j + 1])), empty for a chain; one: one_row's call; width: rows grouped by
+// floor(slots / width) (0: one call per row); out: [n, H, D], filled in place.
 void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
-               torch::Tensor off, c10::optional<double> scale, bool fold, int64_t width, torch::Tensor out) {
+               torch::Tensor off, c10::optional<double> scale, int64_t one, int64_t width, torch::Tensor out) {
   const int64_t n = q.size(2);
   TORCH_CHECK(q.dim() == 4 && k.dim() == 4 && k.size(2) == length + n && v.sizes() == k.sizes() &&
               out.size(0) == n, "sdpa rows: q [1, H, n, D], k and v [1, KV, L + n, D], out [n, H, D]");
   if (path.numel() == 0) {
     std::vector<int64_t> rows(n), lens(n);
     for (int64_t j = 0; j < n; ++j) rows[j] = j, lens[j] = length + j + 1;
-    attend_rows(q, k, v, rows, lens, width, scale, fold, out);
+    attend_rows(q, k, v, rows, lens, width, scale, one, out);
     return;
   }
-  tree_rows(q, k, v, length, path, off, scale, fold, width, out);
+  tree_rows(q, k, v, length, path, off, scale, one, width, out);
 }

@@ -1,0 +1,214 @@
+// One bf16 query row's attention in the order torch's CPU SDPA computes it, bit for bit, without its
+// per-call cost (attention.py's exact_ok probes the equality before any step uses it).
+//
+// Why: a one-token step must be HF `generate`'s arithmetic (the mesh's AR is HF's, bit for bit),
+// and HF's bf16 SDPA for one query row is slow on a CPU whose BLAS takes a generic path: torch 2.13's
+// flash kernel runs two BLAS matrix-vector products per head and 512-slot block (q . k, then
+// probabilities . v), and on a 2-core AMD EPYC (Zen 5) those were MKL's default bf16 gemv, ~1.8 ms a
+// layer at 2,200 slots (perf: most of it in mkl_blas_def_xgemv_bf16bf16f32).
+//
+// The order, measured on that CPU with one thread against MKL's cblas_gemm_bf16bf16f32 itself on
+// wide-range data (values 2^-12 .. 2^12, where any other order rounds apart) and then against the
+// whole SDPA call (every bf16 product of two bf16 values is exact in float32, so only the order of
+// the additions matters):
+//   scores      q . k[j] over d as four float32 lanes (lane l sums d = l, l + 4, ... in order), then
+//               (l0 + l2) + (l1 + l3); times the scale; the block's max
+//   softmax     ATen's fexp_u20 of (score - max), summed 32 at a time in two 16-lane vectors (a last
+//               16 into the first), the two added and reduced as ATen's vec_reduce_all does, the
+//               tail by std::exp added in order (matched against the call's logsumexp); probabilities
+//               rounded to bf16; running max / sum across 512-slot blocks as the flash kernel keeps
+//               them (the new sum one fma of the rescale and the old: matched against the logsumexp)
+//   weighted    per head dim: from the running sum (0 for the first block, else the rescaled one),
+//   values      + ((t0 + t2) + (t1 + t3)) for each 4 slots in order, then the block's tail slots
+//               one at a time from its last
+//   output      the float32 sum times 1 / (the softmax's sum), rounded to bf16
+// Nothing here assumes the order holds elsewhere: another CPU, BLAS, thread count or torch build
+// may differ, so the probe compares this kernel with HF's call on this machine and the engine uses
+// it only where they are equal on every draw.
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && defined(__AVX512DQ__)
+#define SPECMESH_EXACT_ROW 1
+#define CPU_CAPABILITY_AVX512
+#define CPU_CAPABILITY AVX512
+#endif
+
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+#ifdef SPECMESH_EXACT_ROW
+#include <ATen/cpu/vec/functional.h>
+#include <ATen/cpu/vec/vec.h>
+#include <immintrin.h>
+
+namespace {
+
+using Vec = at::vec::Vectorized<float>;
+using bf16 = at::BFloat16;
+constexpr int64_t KV_SPLIT = 512;  // the flash kernel's slots per block
+
+inline __m512 widen16(const bf16* p) {  // 16 bf16 -> 16 float32
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+}
+
+// scores[j] = q . k[j] for n slots (k rows ks apart, D % 4 == 0): 4 slots per vector, 4 lanes each
+void scores(const bf16* k, int64_t ks, int64_t n, const float* q, int64_t D, float* out) {
+  int64_t j = 0;
+  for (; j + 4 <= n; j += 4) {
+    __m512 acc = _mm512_setzero_ps();  // [slot 0 lanes 0..3 | slot 1 | slot 2 | slot 3]
+    for (int64_t d = 0; d < D; d += 4) {
+      const __m256i raw = _mm256_set_epi64x(*(const int64_t*)(k + (j + 3) * ks + d), *(const int64_t*)(k + (j + 2) * ks + d),
+                                            *(const int64_t*)(k + (j + 1) * ks + d), *(const int64_t*)(k + j * ks + d));
+      const __m512 kv = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+      const __m512 qv = _mm512_broadcast_f32x4(_mm_loadu_ps(q + d));
+      acc = _mm512_add_ps(acc, _mm512_mul_ps(kv, qv));
+    }
+    const __m512 r1 = _mm512_add_ps(acc, _mm512_shuffle_ps(acc, acc, _MM_SHUFFLE(1, 0, 3, 2)));  // l0+l2, l1+l3
+    const __m512 r2 = _mm512_add_ps(r1, _mm512_shuffle_ps(r1, r1, _MM_SHUFFLE(2, 3, 0, 1)));
+    alignas(64) float lanes[16];
+    _mm512_store_ps(lanes, r2);
+    for (int i = 0; i < 4; ++i) out[j + i] = lanes[4 * i];
+  }
+  for (; j < n; ++j) {
+    float l[4] = {0.f, 0.f, 0.f, 0.f};
+    for (int64_t d = 0; d < D; ++d) l[d & 3] = l[d & 3] + static_cast<float>(k[j * ks + d]) * q[d];
+    out[j] = (l[0] + l[2]) + (l[1] + l[3]);
+  }
+}
+
+// scale the scores in place, return their max (the flash kernel's _mul_reduce_max_fusion_kernel)
+float scale_max(float* s, int64_t n, float scale) {
+  const int64_t W = Vec::size();
+  Vec vmax(-std::numeric_limits<float>::infinity()), vsc(scale);
+  float m = -std::numeric_limits<float>::infinity();
+  int64_t i = 0;
+  for (; i < W * (n / W); i += W) {
+    const Vec t = Vec::loadu(s + i) * vsc;
+    vmax = at::vec::maximum(vmax, t);
+    t.store(s + i);
+  }
+  for (; i < n; ++i) s[i] = s[i] * scale, m = std::max(m, s[i]);
+  return std::max(m, at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return at::vec::maximum(x, y); }, vmax));
+}
+
+// p = bf16(exp(s - max)), returns their float32 sum (the flash kernel's exp-and-sum pass): exps 32 at a time
+// into two 16-lane sums (a last 16 into the first), the two added and reduced as ATen's vec_reduce_all, the
+// tail (std::exp) added in order
+float exp_sum(const float* s, int64_t n, float max, bf16* p) {
+  const int64_t W = Vec::size();
+  const Vec vm(max);
+  Vec sum0(0.f), sum1(0.f);
+  int64_t i = 0;
+  for (; i + 2 * W <= n; i += 2 * W) {
+    const Vec e0 = (Vec::loadu(s + i) - vm).fexp_u20(), e1 = (Vec::loadu(s + i + W) - vm).fexp_u20();
+    sum0 += e0;
+    sum1 += e1;
+    at::vec::convert_from_float<bf16>(e0, e1).store(p + i, 2 * W);
+  }
+  if (i + W <= n) {
+    const Vec e0 = (Vec::loadu(s + i) - vm).fexp_u20();
+    sum0 += e0;
+    at::vec::convert_from_float<bf16>(e0, e0).store(p + i, W);
+    i += W;
+  }
+  float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum0 + sum1);
+  for (; i < n; ++i) {
+    const float e = std::exp(s[i] - max);
+    sum += e;
+    p[i] = bf16(e);
+  }
+  return sum;
+}
+
+// y[d] += sum over n slots of p[j] v[j][d] in the BLAS's order (file comment); D % 16 == 0, D <= 256
+void weigh(const bf16* v, int64_t vs, const bf16* p, int64_t n, int64_t D, float* y) {
+  const int64_t chunks = D / 16, full = n - n % 4;
+  __m512 acc[16];
+  for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_loadu_ps(y + 16 * c);
+  for (int64_t j = 0; j < full; j += 4) {
+    const __m512 p0 = _mm512_set1_ps(static_cast<float>(p[j])), p1 = _mm512_set1_ps(static_cast<float>(p[j + 1]));
+    const __m512 p2 = _mm512_set1_ps(static_cast<float>(p[j + 2])), p3 = _mm512_set1_ps(static_cast<float>(p[j + 3]));
+    const bf16* r = v + j * vs;
+    for (int64_t c = 0; c < chunks; ++c) {
+      const __m512 t0 = _mm512_mul_ps(widen16(r + 16 * c), p0), t1 = _mm512_mul_ps(widen16(r + vs + 16 * c), p1);
+      const __m512 t2 = _mm512_mul_ps(widen16(r + 2 * vs + 16 * c), p2), t3 = _mm512_mul_ps(widen16(r + 3 * vs + 16 * c), p3);
+      acc[c] = _mm512_add_ps(acc[c], _mm512_add_ps(_mm512_add_ps(t0, t2), _mm512_add_ps(t1, t3)));
+    }
+  }
+  for (int64_t j = n - 1; j >= full; --j) {
+    const __m512 pj = _mm512_set1_ps(static_cast<float>(p[j]));
+    for (int64_t c = 0; c < chunks; ++c) acc[c] = _mm512_add_ps(acc[c], _mm512_mul_ps(widen16(v + j * vs + 16 * c), pj));
+  }
+  for (int64_t c = 0; c < chunks; ++c) _mm512_storeu_ps(y + 16 * c, acc[c]);
+}
+
+// one query head over L slots -> out [D] bf16 (the flash kernel's loop over 512-slot blocks); returns its
+// logsumexp as the flash op reports it
+float head(const bf16* q, const bf16* k, int64_t ks, const bf16* v, int64_t vs, int64_t L, int64_t D, float scale,
+          std::vector<float>& s, std::vector<bf16>& p, std::vector<float>& qf, std::vector<float>& dst, bf16* out) {
+  for (int64_t d = 0; d < D; ++d) qf[d] = static_cast<float>(q[d]);
+  float run_max = -std::numeric_limits<float>::infinity(), run_sum = 0.f;
+  std::fill(dst.begin(), dst.end(), 0.f);
+  for (int64_t n0 = 0; n0 < L; n0 += KV_SPLIT) {
+    const int64_t nb = std::min(KV_SPLIT, L - n0);
+    scores(k + n0 * ks, ks, nb, qf.data(), D, s.data());
+    const float block_max = std::max(run_max, scale_max(s.data(), nb, scale));
+    const float block_sum = exp_sum(s.data(), nb, block_max, p.data());
+    const float rescale = std::exp(run_max - block_max);
+    run_sum = std::fma(rescale, run_sum, block_sum);  // torch's build contracts sum + rescale * old into one fma
+    run_max = block_max;
+    if (n0 > 0) {
+      for (int64_t d = 0; d < D; ++d) dst[d] = dst[d] * rescale;
+    }
+    weigh(v + n0 * vs, vs, p.data(), nb, D, dst.data());
+  }
+  const float rec = 1.f / run_sum;
+  for (int64_t d = 0; d < D; ++d) out[d] = bf16(dst[d] * rec);
+  return run_max + std::log(run_sum);
+}
+
+}  // namespace
+
+bool exact_row_built() { return true; }
+
+// q: [1, H, 1, D] bf16; k, v: [1, KV, L, D] bf16 (head dim contiguous, any slot and head strides),
+// H a multiple of KV (query head h reads kv head h / (H / KV)); D a multiple of 16, at most 256
+// -> [1, H, 1, D]: HF's SDPA call (enable_gqa where grouped, no mask, scale) in its own order; lse, if
+// given ([H] float32), receives each head's logsumexp (the probe compares it with the flash op's).
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, c10::optional<torch::Tensor> lse) {
+  TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
+              "exact_row: bf16 only");
+  TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 && v.sizes() == k.sizes(),
+              "exact_row: q [1, H, 1, D], k and v [1, KV, L, D]");
+  const int64_t H = q.size(1), KV = k.size(1), L = k.size(2), D = q.size(3);
+  TORCH_CHECK(k.size(3) == D && H % KV == 0 && D % 16 == 0 && D <= 256 && L >= 1 && k.stride(3) == 1 && v.stride(3) == 1,
+              "exact_row: grouped heads, D a multiple of 16 up to 256, head dim contiguous, at least one slot");
+  TORCH_CHECK(!lse.has_value() || (lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->numel() == H),
+              "exact_row: lse, where given, [H] float32");
+  const auto qc = q.contiguous();
+  auto out = torch::empty({1, H, 1, D}, q.options());
+  std::vector<float> s(KV_SPLIT), qf(D), dst(D);
+  std::vector<bf16> p(KV_SPLIT);
+  const bf16 *qp = qc.data_ptr<bf16>(), *kp = k.data_ptr<bf16>(), *vp = v.data_ptr<bf16>();
+  bf16* op = out.data_ptr<bf16>();
+  for (int64_t h = 0; h < H; ++h) {
+    const int64_t g = h / (H / KV);
+    const float l = head(qp + h * D, kp + g * k.stride(1), k.stride(2), vp + g * v.stride(1), v.stride(2), L, D,
+                         static_cast<float>(scale), s, p, qf, dst, op + h * D);
+    if (lse.has_value()) lse->data_ptr<float>()[h] = l;
+  }
+  return out;
+}
+
+#else  // no AVX-512 build: the probe finds exact_row_built() false and never calls exact_row
+
+bool exact_row_built() { return false; }
+
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor, torch::Tensor, double, c10::optional<torch::Tensor>) {
+  TORCH_CHECK(false, "exact_row: not built (needs AVX-512 F/BW/VL/DQ)");
+  return q;
+}
+
+#endif
