@@ -115,8 +115,8 @@ def ok(device, dtype, heads: int, kv_heads: int, d: int, scale) -> bool:
             equal = gain = None
             if ext is not None:
                 with torch.inference_mode():
-                    equal = _equal(ext, heads, kv_heads, d, scale if scale is not None else d**-0.5)
-                    gain = _gain(ext, heads, kv_heads, d, scale if scale is not None else d**-0.5)
+                    equal = _equal(ext, heads, kv_heads, d, scale)
+                    gain = _gain(ext, heads, kv_heads, d, scale)
             _OK[key] = bool(equal) and gain >= 1.0
             log.info("one-token bf16 attention %dx%dx%d: %s (%s)", heads, kv_heads, d,
                      "the exact kernel" if _OK[key] else "HF's SDPA call",
@@ -127,7 +127,7 @@ def ok(device, dtype, heads: int, kv_heads: int, d: int, scale) -> bool:
 
 def run(q, k, v, scale) -> torch.Tensor:
     """q [1, H, 1, D], k, v [1, KV, L, D] (pool views) -> [1, H, 1, D], as HF's SDPA call (after ok)."""
-    return _ext().exact_row(q, k, v, scale if scale is not None else q.shape[3] ** -0.5, None)
+    return _ext().exact_row(q, k, v, scale, None)
 
 
 def decisions() -> dict[str, bool]:

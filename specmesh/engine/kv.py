@@ -83,6 +83,12 @@ class StepOutput:
     hidden_states: tuple[torch.Tensor, ...] | None = None  # per HF hidden-state index [Q_b, H], when asked
 
 
+def _row_width(q, kv_heads: int, scale, one: int) -> int:
+    """csrc sdpa_rows' chain row groups for deterministic rows of q's shape: rowgroup's probed width,
+    none on the exact kernel (a row there costs less than a grouped call's fixed work)."""
+    return 0 if one == 2 else rowgroup.width(q.device, q.dtype, q.shape[1], kv_heads, q.shape[3], scale, one == 1)
+
+
 def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
     """Deterministic rows: each query row alone, unmasked, over exactly the slots it sees laid out
     as a one-token step sees them: the cache, then its own path. q: [1, heads, n, D]; k, v: the
@@ -97,9 +103,7 @@ def _rows_exact(q, k, v, length: int, paths, scale, out) -> None:
     if ext is not None:
         heads, kv_heads = q.shape[1], k.shape[1]
         one = one_token_mode(q.device, q.dtype, heads, kv_heads, q.shape[3], scale)
-        # the exact kernel takes a row for less than a grouped call's fixed cost: no groups then
-        width = 0 if one == 2 else rowgroup.width(q.device, q.dtype, heads, kv_heads, q.shape[3], scale, one == 1)
-        ext.sdpa_rows(q, k, v, length, flat, off, scale, one, width, out)
+        ext.sdpa_rows(q, k, v, length, flat, off, scale, one, _row_width(q, kv_heads, scale, one), out)
         return
     n = q.shape[2]
     if paths is None:
@@ -139,8 +143,7 @@ def _attend(layer: int, query, key, value, scaling) -> torch.Tensor:
     if plan.native is not None:  # every sequence on torch's SDPA, in one C++ call (the loop below)
         pool, geo, masks, paths, offs = plan.native
         one = one_token_mode(query.device, query.dtype, heads, key.shape[1], d, scaling)
-        width = rowgroup.width(query.device, query.dtype, heads, key.shape[1], d, scaling, one == 1) \
-            if plan.row_exact and one != 2 else 0
+        width = _row_width(query, key.shape[1], scaling, one) if plan.row_exact else 0
         return cpu_gemm.load().pool_attend(query, key, value, pool.k[layer], pool.v[layer], geo, masks, paths, offs,
                                            scaling, one, width)
     out = None  # [T, heads, D]

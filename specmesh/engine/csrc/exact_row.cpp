@@ -174,10 +174,11 @@ float head(const bf16* q, const bf16* k, int64_t ks, const bf16* v, int64_t vs, 
 bool exact_row_built() { return true; }
 
 // q: [1, H, 1, D] bf16; k, v: [1, KV, L, D] bf16 (head dim contiguous, any slot and head strides),
-// H a multiple of KV (query head h reads kv head h / (H / KV)); D a multiple of 16, at most 256
-// -> [1, H, 1, D]: HF's SDPA call (enable_gqa where grouped, no mask, scale) in its own order; lse, if
+// H a multiple of KV (query head h reads kv head h / (H / KV)); D a multiple of 16, at most 256;
+// scale: none for torch's default, 1 / sqrt(D) -> [1, H, 1, D]: HF's SDPA call (enable_gqa where grouped, no mask, scale) in its own order; lse, if
 // given ([H] float32), receives each head's logsumexp (the probe compares it with the flash op's).
-torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, c10::optional<torch::Tensor> lse) {
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<double> scale,
+                        c10::optional<torch::Tensor> lse) {
   TORCH_CHECK(q.scalar_type() == at::kBFloat16 && k.scalar_type() == at::kBFloat16 && v.scalar_type() == at::kBFloat16,
               "exact_row: bf16 only");
   TORCH_CHECK(q.dim() == 4 && q.size(0) == 1 && q.size(2) == 1 && k.dim() == 4 && k.size(0) == 1 && v.sizes() == k.sizes(),
@@ -187,6 +188,7 @@ torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, doubl
               "exact_row: grouped heads, D a multiple of 16 up to 256, head dim contiguous, at least one slot");
   TORCH_CHECK(!lse.has_value() || (lse->scalar_type() == at::kFloat && lse->is_contiguous() && lse->numel() == H),
               "exact_row: lse, where given, [H] float32");
+  const float sc = static_cast<float>(scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)));
   const auto qc = q.contiguous();
   auto out = torch::empty({1, H, 1, D}, q.options());
   std::vector<float> s(KV_SPLIT), qf(D), dst(D);
@@ -196,7 +198,7 @@ torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, doubl
   for (int64_t h = 0; h < H; ++h) {
     const int64_t g = h / (H / KV);
     const float l = head(qp + h * D, kp + g * k.stride(1), k.stride(2), vp + g * v.stride(1), v.stride(2), L, D,
-                         static_cast<float>(scale), s, p, qf, dst, op + h * D);
+                         sc, s, p, qf, dst, op + h * D);
     if (lse.has_value()) lse->data_ptr<float>()[h] = l;
   }
   return out;
@@ -206,7 +208,7 @@ torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, doubl
 
 bool exact_row_built() { return false; }
 
-torch::Tensor exact_row(torch::Tensor q, torch::Tensor, torch::Tensor, double, c10::optional<torch::Tensor>) {
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor, torch::Tensor, c10::optional<double>, c10::optional<torch::Tensor>) {
   TORCH_CHECK(false, "exact_row: not built (needs AVX-512 F/BW/VL/DQ)");
   return q;
 }

@@ -9,7 +9,6 @@
 // (rowexact.floored). step <= 0: one call (the default mode's onednn.packed).
 #include <torch/extension.h>
 
-#include <cmath>
 #include <vector>
 
 namespace {
@@ -102,10 +101,9 @@ at::Tensor lean_post(const at::Tensor& x, const at::Tensor& o, const at::Tensor&
   return x1 + linear(act, wp_d, b_d, step_d, floor_d);
 }
 
-// exact_row.cpp
-torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, c10::optional<torch::Tensor> lse);
-
 // sdpa_rows.cpp
+at::Tensor one_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::optional<double> scale,
+                   int64_t one);
 void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
                torch::Tensor off, c10::optional<double> scale, int64_t one, int64_t width, torch::Tensor out);
 
@@ -136,15 +134,9 @@ at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
       sdpa_rows(qs, ks, vs, length, paths[b], offs[b], scale, one, width, out.slice(0, a, a + n));
       continue;
     }
-    at::Tensor o;
-    if (kind == 0 && n == 1 && !masks[b].has_value() && one == 2) {  // exactrow.run
-      o = exact_row(qs, ks, vs, scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)), c10::nullopt);
-    } else if (kind == 0 && n == 1 && !masks[b].has_value() && one == 1) {  // attention._folded
-      o = at::scaled_dot_product_attention(qs.reshape({1, KV, H / KV, D}), ks, vs, {}, 0.0, false, scale)
-              .reshape({1, H, 1, D});
-    } else {  // attention._hf_call
-      o = at::scaled_dot_product_attention(qs, ks, vs, masks[b], 0.0, kind == 1, scale, H != KV);
-    }
+    const at::Tensor o = kind == 0 && n == 1 && !masks[b].has_value()
+                             ? one_row(qs, ks, vs, scale, one)  // attention.sdpa's one-token call
+                             : at::scaled_dot_product_attention(qs, ks, vs, masks[b], 0.0, kind == 1, scale, H != KV);
     out.slice(0, a, a + n).copy_(o[0].transpose(0, 1));
   }
   return out.unsqueeze(0);

@@ -281,7 +281,8 @@ at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tenso
 
 // exact_row.cpp
 bool exact_row_built();
-torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, c10::optional<torch::Tensor> lse);
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<double> scale,
+                        c10::optional<torch::Tensor> lse);
 
 // bf16_rows.cpp
 bool bf16_rows_built();

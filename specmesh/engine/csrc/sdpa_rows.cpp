@@ -21,23 +21,22 @@
 #include <torch/extension.h>
 
 #include <algorithm>
-#include <cmath>
 #include <cstring>
 #include <limits>
 #include <vector>
 
-torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, double scale, c10::optional<torch::Tensor> lse);
-
-namespace {
+torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::optional<double> scale,
+                        c10::optional<torch::Tensor> lse);
 
 // One row's attention as the one-token step computes it (one: attention.one_token_mode): HF's SDPA
 // call (0; enable_gqa where the heads are grouped), its kv head's query heads as rows (1,
-// attention.py's _folded), or HF's call's arithmetic from exact_row.cpp (2, exactrow.py).
+// attention.py's _folded), or HF's call's arithmetic from exact_row.cpp (2, exactrow.py). Also
+// pool_attend's call for a maskless one-token row. q [1, H, 1, D]; k, v [1, KV, L, D] -> [1, H, 1, D].
 at::Tensor one_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, c10::optional<double> scale,
                    int64_t one) {
   const int64_t H = q.size(1), KV = k.size(1), D = q.size(3);
   if (one == 2) {
-    return exact_row(q, k, v, scale.has_value() ? *scale : 1.0 / std::sqrt(static_cast<double>(D)), c10::nullopt);
+    return exact_row(q, k, v, scale, c10::nullopt);
   }
   if (one == 1) {
     auto rows = q.reshape({1, KV, H / KV, D});  // [1, KV, G, D]
@@ -45,6 +44,8 @@ at::Tensor one_row(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v
   }
   return at::scaled_dot_product_attention(q, k, v, {}, 0.0, false, scale, H != KV);
 }
+
+namespace {
 
 // Rows of one sequence in one call (module comment): qs [m, H, 1, D]; k, v the sequence's views
 // [1, KV, S, D]; row r sees slots [0, lens[r]), lens ascending, all sharing floor(lens / width)
