@@ -37,10 +37,10 @@ def run(rounds: int, context: int, threads: int) -> dict:
     for r in range(rounds):
         for case in CASES:
             for on in ((True, False) if r % 2 == 0 else (False, True)):
-                bf16rows.MIN_ROWS = 2 if on else 1 << 30
+                bf16rows.ENABLED = on
                 b, q, tree = case
                 times[(case, on)] += micro.time_forward(model, kvs[:b], q, 2, gen, vocab, row_exact=0, tree=tree)
-    bf16rows.MIN_ROWS = 2
+    bf16rows.ENABLED = True
     rows = []
     for b, q, tree in CASES:
         on, off = (statistics.median(times[((b, q, tree), x)]) * 1e3 for x in (True, False))

@@ -1,6 +1,6 @@
-"""bf16 decoder linears of 2-32 rows from a kernel that reads each weight once for every row
-(csrc/bf16_rows.cpp), in default-mode (batched) steps, where a start-up probe finds it faster than
-oneDNN's prepacked call.
+"""bf16 linears of a decode or verify step from a kernel that reads each weight once for every
+row (csrc/bf16_rows.cpp), where start-up probes find it faster than oneDNN's prepacked call and,
+for the rows that must be HF's arithmetic, bitwise oneDNN's one-row call.
 
 Why: on a CPU with AVX512-BF16 but no AMX, oneDNN streams a weight once for a one-token step but
 runs a few rows far below what the memory allows. Measured on a 2-core Intel Xeon (family 6 model
@@ -8,31 +8,65 @@ runs a few rows far below what the memory allows. Measured on a 2-core Intel Xeo
 oneDNN 25.9 / 30.2 / 41.7, the kernel 21.4 / 24.1 / 29.0. A verify round's rows cost what a
 decode step's one does.
 
-Where: only in default-mode steps without a prompt's prefill, and never for a lone row, so the
-mesh's AR (one row a step) stays bitwise oneDNN's, i.e. HF's (onednn.py), and a deterministic
-step (rowexact) never runs it. The kernel is row-invariant (each output one float32 chain over k
-in order), but its sums are not oneDNN's: batched rows may differ from the one-row step in the last
-bit, as batched rows already may (`batch_invariant: false`). The LM head keeps oneDNN (compute-
-bound at 5+ rows on either). `target_worker.bf16_rows`: auto (the probe), true, false.
+Bitwise one-row: oneDNN's brgemm sums a one-row bf16 call in K blocks: each block's VDPBF16PS
+chains from 0, the blocks added in order in float32 (found on a 2-core Zen 4 EPYC, torch 2.13:
+blocks of 512, for every SmolLM2 shape, the 49152x576 head included; a one-chain kernel differs
+in some element on 20-60% of wide-range draws). The kernel takes the block as an argument (kc, in
+k-pairs), so each row it computes is that call's bits whatever the row count. `exact_chunk`
+probes candidate blocks against oneDNN's one-row calls (rows 1-17, aligned and offset,
+rowprobe._wide draws of every shape) and keeps the first that matches all (probecache keeps it);
+none: one chain, not exact. Exact, the kernel also serves:
+
+* the lone row of a default-mode step (the mesh's AR: still HF `generate`'s bits), where faster
+  than oneDNN's one-row call (the LM head too: a copy of its own, lone rows only);
+* every row of a deterministic step (rowexact) but a prefill's: each row is then the one-row
+  call's, so the down projection (whose batched oneDNN rows are not) needs no per-row calls.
+
+It serves default-mode steps of 2-32 rows: exact, whatever the timing probe says (a verify's
+rows are then the one-row step's bits); not exact, only where that probe finds it faster at 5
+and 9 rows (rows then may differ from the one-row step in the last bit, as batched rows already
+may: `batch_invariant: false`). Never a prefill (a prompt's KV is HF's multi-row call).
+`target_worker.bf16_rows`: auto (the probes), true (wherever it builds; exactness still
+probed), false.
 
 Memory: a copy of each decoder weight beside oneDNN's (+1x the decoder's linears: 212 MB for
-SmolLM2-135M); stacks (onednn_stack.Stack) take their members' copies over, as for oneDNN's.
+SmolLM2-135M; +57 MB for the head where it serves lone rows); stacks (onednn_stack.Stack) take
+their members' copies over, as for oneDNN's.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from typing import NamedTuple
 
 import torch
 
+from specmesh.engine import probecache
+from specmesh.engine.rowprobe import _wide
+
 log = logging.getLogger(__name__)
 
-MIN_ROWS, MAX_ROWS = 2, 32  # a call of this many rows takes the kernel (a lone row: oneDNN's, HF's)
-PROBE_ROWS = (5, 9)  # the probe times a verify of 4 and of 8 drafts
+MIN_ROWS, MAX_ROWS = 2, 32  # default-mode calls of this many rows take the kernel where faster
+PROBE_ROWS = (1, 5, 9)  # the timing probe: a one-token step, a verify of 4 and of 8 drafts
 PROBE_REPEATS = 5  # timed passes of each path per row count, interleaved (_probe)
+CHUNKS = (256, 0, 128, 512, 64, 384)  # candidate K blocks in k-pairs (0: one chain), first the Zen 4's
+EXACT_ROWS = (1, 2, 5, 9, 17)  # row counts exact_chunk compares, from an aligned and an offset start
+EXACT_TRIALS = 2
+ENABLED = True  # False: every call keeps oneDNN's (bench/bf16rows_ab.py's A/B)
 _SETTING: bool | str = "auto"
 _EXT = None  # the CPU kernels' extension (cpu_gemm.load), set by install
+
+
+class Use(NamedTuple):
+    """Where a kernel copy serves: kc its K block (k-pairs, 0: one chain); exact: its rows are
+    oneDNN's one-row call's bits; lone: a default-mode call of one row; batched: default-mode calls
+    of MIN_ROWS..MAX_ROWS rows; det_rows: the most rows a deterministic call takes it for."""
+    kc: int
+    exact: bool
+    lone: bool
+    batched: bool
+    det_rows: int
 
 
 def configure(setting: bool | str) -> None:
@@ -41,25 +75,33 @@ def configure(setting: bool | str) -> None:
     _SETTING = setting
 
 
-def applies(rows: int, prefill: bool) -> bool:
-    """Whether a default-mode call of `rows` rows takes the kernel (never a lone row, never in a
-    step that holds a prompt's prefill)."""
-    return MIN_ROWS <= rows <= MAX_ROWS and not prefill
-
-
-def call(mod, x2: torch.Tensor) -> torch.Tensor | None:
-    """mod(x2) for x2 [M, in] bf16 from its kernel copy (a stack member: the stack's, its
-    columns), or None where it has none."""
+def route(mod, rows: int, prefill: bool, det: bool = False) -> tuple[torch.Tensor, int, tuple | None] | None:
+    """(kernel copy, kc, columns or None) where a call of `rows` rows of mod takes the kernel (a
+    stack member: the stack's copy and its columns), else None. det: inside a deterministic step."""
     owner, cols = mod, None
     if getattr(mod, "_specmesh_bf16rows", None) is None:
         part = getattr(mod, "_specmesh_onednn_part", None)
         if part is None:
             return None
         owner, cols = part[0], part[1:]
-    wp = getattr(owner, "_specmesh_bf16rows", None)
-    if wp is None:
+    wp, use = getattr(owner, "_specmesh_bf16rows", None), getattr(owner, "_specmesh_bf16rows_use", None)
+    if wp is None or use is None or prefill or not ENABLED:
         return None
-    y = _EXT.bf16_rows(x2, wp, owner.bias)  # [M, out]
+    if det:
+        ok = use.exact and rows <= use.det_rows
+    else:
+        ok = use.lone if rows == 1 else use.batched and MIN_ROWS <= rows <= MAX_ROWS
+    return (wp, use.kc, cols) if ok else None
+
+
+def call(mod, x2: torch.Tensor, prefill: bool, det: bool = False) -> torch.Tensor | None:
+    """mod(x2) for x2 [M, in] bf16 from its kernel copy where route() sends it, else None."""
+    r = route(mod, x2.shape[0], prefill, det)
+    if r is None:
+        return None
+    wp, kc, cols = r
+    owner = mod if cols is None else mod._specmesh_onednn_part[0]
+    y = _EXT.bf16_rows(x2, wp, owner.bias, kc)  # [M, out]
     return y if cols is None else y[:, cols[0]:cols[1]]
 
 
@@ -71,6 +113,7 @@ def stack(st, mods: list[torch.nn.Linear]) -> None:
         return
     # panel pairs are whole 32-column blocks: the members' copies, stacked, are the stack's packing
     st._specmesh_bf16rows = torch.cat([m._specmesh_bf16rows for m in mods])
+    st._specmesh_bf16rows_use = mods[0]._specmesh_bf16rows_use
     for m in mods:
         m._specmesh_bf16rows = None
 
@@ -83,31 +126,35 @@ def packed_bytes(model: torch.nn.Module) -> int:
     return sum(w.numel() * w.element_size() for w in held)
 
 
-def install(model: torch.nn.Module, ext, onednn_run) -> dict:
-    """Pack the decoder's oneDNN-prepacked linears for the kernel where the setting and the probe
-    allow; returns the decision ({"used", "onednn_ms", "kernel_ms"} or {"used": False, "why"}),
-    also kept on the model. ext: the CPU kernels' extension (None: not built); onednn_run:
-    onednn.run, what the probe times the kernel against. After onednn.install, before any stack
-    is built. Idempotent."""
+def install(model: torch.nn.Module, ext, onednn_run, pack) -> dict:
+    """Pack the decoder's oneDNN-prepacked linears (and, where exact and faster for a lone row,
+    the LM head) for the kernel where the setting and the probes allow; returns the decision
+    ({"used", "exact", "kc", "lone", "rows", "onednn_ms", "kernel_ms", "head"} or {"used": False,
+    "why"}), also kept on the model. ext: the CPU kernels' extension (None: not built);
+    onednn_run, pack: onednn.run and onednn.pack, what the probes compare the kernel with. After
+    onednn.install, before any stack is built. Idempotent."""
     global _EXT
     done = getattr(model, "_specmesh_bf16rows_report", None)
     if done is not None:
         return done
     if ext is not None:
         _EXT = ext
-    report = _decide(model, ext, onednn_run)
+    report = _decide(model, ext, onednn_run, pack)
     model._specmesh_bf16rows_report = report
-    log.info("bf16 rows kernel for batched decoder linears (bf16_rows %s): %s", _SETTING, report)
+    log.info("bf16 rows kernel for decode and verify linears (bf16_rows %s): %s", _SETTING, report)
     return report
 
 
 def _linears(model: torch.nn.Module) -> list[torch.nn.Linear]:
-    return [m for m in model.model.modules() if isinstance(m, torch.nn.Linear)
-            and getattr(m, "_specmesh_onednn", None) is not None
-            and m.out_features % 32 == 0 and m.in_features % 2 == 0]
+    return [m for m in model.model.modules() if _fits(m)]
 
 
-def _decide(model: torch.nn.Module, ext, onednn_run) -> dict:
+def _fits(m) -> bool:
+    return (isinstance(m, torch.nn.Linear) and getattr(m, "_specmesh_onednn", None) is not None
+            and m.out_features % 32 == 0 and m.in_features % 2 == 0)
+
+
+def _decide(model: torch.nn.Module, ext, onednn_run, pack) -> dict:
     if _SETTING is False:
         return {"used": False, "why": "bf16_rows false"}
     if ext is None or not ext.bf16_rows_built():
@@ -115,40 +162,98 @@ def _decide(model: torch.nn.Module, ext, onednn_run) -> dict:
     mods = _linears(model)
     if not mods:
         return {"used": False, "why": "no oneDNN-prepacked bf16 decoder linears"}
+    head = model.get_output_embeddings()
+    kc = exact_chunk(mods + ([head] if _fits(head) else []), ext, onednn_run, pack)
     with torch.no_grad():
         for m in mods:
             m._specmesh_bf16rows = ext.bf16_pack(m.weight.detach())
-    if _SETTING is True:
-        return {"used": True, "why": "bf16_rows true"}
-    onednn_ms, kernel_ms = _probe(mods, ext, onednn_run)
-    used = all(k < o for o, k in zip(onednn_ms, kernel_ms))
-    if not used:
-        for m in mods:
+    onednn_ms, kernel_ms = _probe(mods, ext, onednn_run, kc or 0)
+    faster = [k < o for o, k in zip(onednn_ms, kernel_ms)]
+    # exact: batched rows take it too (a verify's rows are then the one-row step's; at 5 / 9 rows it
+    # and oneDNN trade places between starts on a Zen 4: 10.0 / 16.7 against 13.8 / 16.8 ms, then
+    # 14.0 / 22.1 against 16.6 / 21.5)
+    used = _SETTING is True or kc is not None or all(faster[1:])
+    exact = kc is not None
+    use = Use(kc or 0, exact, exact and (_SETTING is True or faster[0]), used, 1 << 30 if exact else 0)
+    for m in mods:
+        m._specmesh_bf16rows_use = use
+        if not (use.batched or use.exact):
             m._specmesh_bf16rows = None
-    return {"used": used, "rows": list(PROBE_ROWS), "onednn_ms": onednn_ms, "kernel_ms": kernel_ms}
+    report = {"used": used, "exact": use.exact, "kc": use.kc, "lone": use.lone, "rows": list(PROBE_ROWS),
+              "onednn_ms": onednn_ms, "kernel_ms": kernel_ms}
+    if use.exact and _fits(head):
+        report["head"] = _decide_head(head, ext, onednn_run, use.kc)
+    return report
 
 
-def _probe(mods: list[torch.nn.Linear], ext, onednn_run) -> tuple[list[float], list[float]]:
+def _decide_head(head: torch.nn.Linear, ext, onednn_run, kc: int) -> dict:
+    """The LM head's copy for lone rows where the kernel's one-row call beats oneDNN's (bitwise
+    alike: exact_chunk probed the head's shape too); ms of each, the best of PROBE_REPEATS."""
+    with torch.no_grad():
+        wp = ext.bf16_pack(head.weight.detach())
+    x = torch.randn(1, head.in_features, generator=torch.Generator().manual_seed(0)).bfloat16()
+    best = _race((lambda: onednn_run(x, head._specmesh_onednn, None), lambda: ext.bf16_rows(x, wp, None, kc)))
+    lone = _SETTING is True or best[1] < best[0]
+    if lone:
+        head._specmesh_bf16rows, head._specmesh_bf16rows_use = wp, Use(kc, True, True, False, 1)
+    return {"lone": lone, "onednn_ms": round(best[0] * 1e3, 2), "kernel_ms": round(best[1] * 1e3, 2)}
+
+
+def exact_chunk(mods: list[torch.nn.Linear], ext, onednn_run, pack) -> int | None:
+    """The first of CHUNKS whose kernel rows equal oneDNN's one-row calls bitwise for every
+    distinct (shape, bias) of mods (module docstring), else None. Kept by probecache."""
+    shapes = sorted({(m.out_features, m.in_features, m.bias is not None) for m in mods})
+    like = mods[0].weight
+    args = {"shapes": [list(s) for s in shapes], "chunks": list(CHUNKS), "rows": list(EXACT_ROWS),
+            "trials": EXACT_TRIALS, "dtype": str(like.dtype)}
+    found = probecache.cached("bf16rows.exact_chunk", args, like.device,
+                              lambda: _exact_probe(shapes, like, ext, onednn_run, pack))
+    return None if found is None else int(found)
+
+
+def _exact_probe(shapes, like: torch.Tensor, ext, onednn_run, pack) -> int | None:
+    alive = list(CHUNKS)
+    with torch.no_grad():
+        for out, inp, has_bias in shapes:
+            for t in range(EXACT_TRIALS):
+                gen = torch.Generator().manual_seed(3000 + t)
+                w = _wide((out, inp), like, gen)
+                b = _wide((out,), like, gen) if has_bias else None
+                x = _wide((max(EXACT_ROWS) + 1, inp), like, gen)
+                wo, wk = pack(w), ext.bf16_pack(w)
+                one = torch.cat([onednn_run(x[i : i + 1], wo, b) for i in range(x.shape[0])])  # [R, out]
+                alive = [kc for kc in alive if all(torch.equal(ext.bf16_rows(x[s : s + m], wk, b, kc), one[s : s + m])
+                                                   for m in EXACT_ROWS for s in (0, 1))]
+                if not alive:
+                    return None
+    return alive[0]
+
+
+def _race(paths) -> list[float]:
+    """Seconds of each path, the best of PROBE_REPEATS, passes alternated (oneDNN, kernel, kernel,
+    oneDNN, ...): on a shared VM whose speed drifts +-10% and more within a minute, timing one
+    path's passes after the other's let a slow spell decide (a Zen 4 EPYC, session 38: kernel
+    13.5 / 20.5 ms against oneDNN 17.1 / 22.0 at one start, 21.5 / 22.2 against 18.9 / 21.2 at the
+    next, in a slow spell). The first round warms oneDNN's primitives and the caches."""
+    best = [float("inf")] * len(paths)
+    for r in range(PROBE_REPEATS + 1):
+        for i in ((0, 1) if r % 2 == 0 else (1, 0)):
+            t0 = time.perf_counter()
+            paths[i]()
+            if r:
+                best[i] = min(best[i], time.perf_counter() - t0)
+    return best
+
+
+def _probe(mods: list[torch.nn.Linear], ext, onednn_run, kc: int) -> tuple[list[float], list[float]]:
     """ms of one pass over every decoder linear (as a step streams them) at PROBE_ROWS rows:
-    oneDNN's prepacked calls and the kernel's, the best of PROBE_REPEATS passes each. The two
-    paths' passes alternate (oneDNN, kernel, kernel, oneDNN, ...): on a shared VM whose speed
-    drifts +-10% and more within a minute, timing one path's passes after the other's let a slow
-    spell decide (a Zen 4 EPYC, session 38: kernel 13.5 / 20.5 ms against oneDNN 17.1 / 22.0 at
-    one start, 21.5 / 22.2 against 18.9 / 21.2 at the next, in a slow spell)."""
+    oneDNN's prepacked calls and the kernel's (block kc), the best of PROBE_REPEATS passes each."""
     gen = torch.Generator().manual_seed(0)
     out: tuple[list[float], list[float]] = ([], [])
     for rows in PROBE_ROWS:
         xs = {k: torch.randn(rows, k, generator=gen).bfloat16() for k in {m.in_features for m in mods}}
-        paths = (lambda m: onednn_run(xs[m.in_features], m._specmesh_onednn, m.bias),
-                 lambda m: ext.bf16_rows(xs[m.in_features], m._specmesh_bf16rows, m.bias))
-        best = [float("inf"), float("inf")]
-        for r in range(PROBE_REPEATS + 1):  # the first round warms oneDNN's primitives and the caches
-            for i in ((0, 1) if r % 2 == 0 else (1, 0)):
-                t0 = time.perf_counter()
-                for m in mods:
-                    paths[i](m)
-                if r:
-                    best[i] = min(best[i], time.perf_counter() - t0)
+        best = _race((lambda: [onednn_run(xs[m.in_features], m._specmesh_onednn, m.bias) for m in mods],
+                      lambda: [ext.bf16_rows(xs[m.in_features], m._specmesh_bf16rows, m.bias, kc) for m in mods]))
         for i in (0, 1):
             out[i].append(round(best[i] * 1e3, 2))
     return out

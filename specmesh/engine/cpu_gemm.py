@@ -168,7 +168,7 @@ def install(model: torch.nn.Module) -> bool:
                 pack_linear(mod)
     elif head.weight.dtype == torch.bfloat16 and head.weight.device.type == "cpu":
         onednn.install(model)
-        bf16rows.install(model, load(), onednn.run)  # batched steps' 2+ rows of the decoder's linears, where faster
+        bf16rows.install(model, load(), onednn.run, onednn.pack)  # decode and verify rows, where faster (and exact)
     model._specmesh_cpu_gemm = use
     return use
 

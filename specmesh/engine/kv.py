@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, lean, lean_hf, onednn, quant, row_attn, rowexact, rowgroup, rownorm
+from specmesh.engine import bf16rows, cpu_gemm, lean, lean_hf, onednn, quant, row_attn, rowexact, rowgroup, rownorm
 from specmesh.engine.attention import one_token_mode, sdpa, step_mask
 from specmesh.engine.pool import SequenceKV, new_pool, new_sequence_kv  # noqa: F401 (re-exported)
 
@@ -250,6 +250,9 @@ def lm_head(model: torch.nn.Module, hidden: torch.Tensor, row_exact: bool | int)
     if not row_exact:
         out = onednn.packed(head, hidden)  # oneDNN's prepacked head where installed (onednn.py)
         return (F.linear(hidden, w) if out is None else out).float()
+    out = bf16rows.call(head, hidden, onednn.in_prefill(), det=True)  # a lone row's exact kernel copy
+    if out is not None:
+        return out.float()
     step, floor = rowexact.head_chunking(model, int(row_exact))
     lin = rowexact.floored(onednn.apply_of(head) or F.linear, floor)
     if hidden.shape[0] <= step:

@@ -132,20 +132,30 @@ def _cpp_plan(lay: _Layer, t: int) -> list[tuple[int, int]] | None:
         if onednn.in_prefill() and t > min(k._specmesh_onednn_equal for k in kinds):
             return None
         return [(0, 1)] * 4
+    if _kernel(lay, t, True) is not None:  # every row on the exact rows kernel: one call each
+        return [(0, 1)] * 4
     if not (lay.qkv.same_chunks() and lay.gate_up.same_chunks()):
         return None
     return [chunking(getattr(k, "_specmesh_rows", 0), getattr(k, "_specmesh_rows2", 0), active) for k in kinds]
 
 
+def _kernel(lay: _Layer, t: int, det: bool) -> tuple | None:
+    """The bf16 rows kernel's four copies (q/k/v, o, gate/up, down) and their K block, where a call
+    of t rows of each takes it (bf16rows.route: all four, one block), else None."""
+    routes = [bf16rows.route(k, t, onednn.in_prefill(), det) for k in (lay.qkv, lay.o, lay.gate_up, lay.down)]
+    if any(r is None or r[2] is not None for r in routes) or len({r[1] for r in routes}) != 1:
+        return None
+    return tuple(r[0] for r in routes), routes[0][1]
+
+
 def _weights(lay: _Layer, t: int, step: int) -> tuple:
-    """The C++ halves' four weights (q/k/v, o, gate/up, down): the bf16 rows kernel's copies for a
-    default-mode step of 2+ rows (bf16rows.py) where all four have one, else oneDNN's."""
-    kinds = (lay.qkv, lay.o, lay.gate_up, lay.down)
-    if step <= 0 and bf16rows.applies(t, onednn.in_prefill()):
-        rows = [getattr(k, "_specmesh_bf16rows", None) for k in kinds]
-        if all(w is not None for w in rows):
-            return tuple(rows)
-    return tuple(k._specmesh_onednn for k in kinds)
+    """((q/k/v, o, gate/up, down) weights, K block) for the C++ halves: the bf16 rows kernel's
+    copies where all four take it (bf16rows.route), else oneDNN's (block 0, unused)."""
+    if step <= 0:
+        found = _kernel(lay, t, bool(_ACTIVE.get()))
+        if found is not None:
+            return found
+    return tuple(k._specmesh_onednn for k in (lay.qkv, lay.o, lay.gate_up, lay.down)), 0
 
 
 @torch.inference_mode()
@@ -162,11 +172,12 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, 
         if plan is not None:  # the same ops in C++ (csrc/lean_layer.cpp), attention still attend's
             (s1, f1), (so, fo), (sg, fg), (sd, fd) = plan
             n1, n2, st1, st2 = lay.norm1, lay.norm2, lay.qkv, lay.gate_up
-            w1, wo, w2, wd = _weights(lay, t, s1)
-            q, k, v = ext.lean_pre(x, n1.weight, n1.variance_epsilon, w1, st1.bias, s1, f1, cos, sin, heads, kv_heads, d)
+            (w1, wo, w2, wd), kc = _weights(lay, t, s1)
+            q, k, v = ext.lean_pre(x, n1.weight, n1.variance_epsilon, w1, st1.bias, s1, f1, cos, sin, heads, kv_heads, d,
+                                   kc)
             o = attend(lay.idx, q, k, v, lay.scale)  # [1, T, H, D]
             x = ext.lean_post(x, o, wo, lay.o.bias, so, fo, n2.weight, n2.variance_epsilon, w2, st2.bias, sg, fg,
-                              lay.gate.out_features, wd, lay.down.bias, sd, fd)
+                              lay.gate.out_features, wd, lay.down.bias, sd, fd, kc)
         else:
             x = _layer(lay, x, cos, sin, attend, (t, heads, kv_heads, d))
         if i + 1 in keep and i + 1 < len(inner.layers):

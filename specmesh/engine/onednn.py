@@ -230,11 +230,8 @@ def packed(mod: torch.nn.Linear, x2: torch.Tensor) -> torch.Tensor | None:
         return None
     if _PREFILL.get() and x2.shape[0] > mod._specmesh_onednn_equal:
         return None
-    if bf16rows.applies(x2.shape[0], _PREFILL.get()):  # 2+ rows of a batched step: the rows kernel
-        y = bf16rows.call(mod, x2)
-        if y is not None:
-            return y
-    return _call(mod, x2)
+    y = bf16rows.call(mod, x2, _PREFILL.get())  # the rows kernel where it serves (bf16rows.route)
+    return _call(mod, x2) if y is None else y
 
 
 class PrepackedLinear(torch.nn.Linear):

@@ -38,7 +38,7 @@ log = logging.getLogger(__name__)
 ENV = "SPECMESH_PROBE_CACHE"
 _ENGINE = Path(__file__).parent
 # what the probes run: their code and the extension's (a change in any re-probes)
-SOURCES = ("probecache.py", "rowprobe.py", "rowexact.py", "rownorm.py", "onednn.py", "onednn_stack.py", "cpu_gemm.py",
+SOURCES = ("probecache.py", "rowprobe.py", "rowexact.py", "rownorm.py", "onednn.py", "onednn_stack.py", "cpu_gemm.py", "bf16rows.py",
            "rowgroup.py")
 
 

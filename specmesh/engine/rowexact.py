@@ -52,7 +52,7 @@ import types
 import torch
 import torch.nn.functional as F
 
-from specmesh.engine import cpu_gemm, onednn, probecache, quant, rownorm
+from specmesh.engine import bf16rows, cpu_gemm, onednn, probecache, quant, rownorm
 from specmesh.engine.loader import dtype_name
 from specmesh.engine.rowprobe import (  # noqa: F401 (callers and tests read them here)
     _ACTIVE, KERNEL_PROBE_OUT, PROBE_HEAD_ROWS, PROBE_HEAD_TRIALS, PROBE_PACKED_ROWS, PROBE_ROWS, PROBE_TRIALS, _wide,
@@ -181,6 +181,9 @@ def linear_forward(self: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
     if not _ACTIVE.get():
         out = onednn.packed(self, x2) if cpu_gemm.in_step() else None  # [M, out]: prepacked where installed
         return F.linear(x, self.weight, self.bias) if out is None else out.view(*x.shape[:-1], -1)
+    out = bf16rows.call(self, x2, onednn.in_prefill(), det=True)  # every row bitwise a one-row call
+    if out is not None:
+        return out.view(*x.shape[:-1], -1)
     step, floor = chunking(getattr(self, "_specmesh_rows", 0), getattr(self, "_specmesh_rows2", 0), _ACTIVE.get())
     lin = floored(onednn.apply_of(self) or F.linear, floor)
     if x2.shape[0] <= step:
@@ -231,11 +234,15 @@ def head_chunking(model: torch.nn.Module, mode: int) -> tuple[int, int]:
 
 def probed(model: torch.nn.Module, mode: int = 1) -> dict[str, int]:
     """What install probed, as rows(mode) runs it: {linear shape 'out x in dtype': rows per call,
-    ..., 'NormClass H dtype': rows, 'lm_head dtype': rows} (for logs; ' (2-row floor)' appended where the floor is used)."""
+    ..., 'NormClass H dtype': rows, 'lm_head dtype': rows} (for logs; ' (2-row floor)' appended where the floor is used;
+    a linear on the exact bf16 rows kernel, bf16rows.py: PROBE_PACKED_ROWS, the most any chunk holds)."""
     out = {}
     for mod in model.model.modules():
         if isinstance(mod, torch.nn.Linear) and hasattr(mod, "_specmesh_rows"):
             w = mod.weight
+            if bf16rows.route(mod, PROBE_PACKED_ROWS, False, det=True) is not None:  # every row a one-row call's bits
+                out[f"{w.shape[0]}x{w.shape[1]} {dtype_name(w.dtype)} (exact rows kernel)"] = PROBE_PACKED_ROWS
+                continue
             step, floor = chunking(mod._specmesh_rows, mod._specmesh_rows2, mode)
             out[f"{w.shape[0]}x{w.shape[1]} {dtype_name(w.dtype)}{' (2-row floor)' if floor > 1 else ''}"] = (
                 mod._specmesh_rows if floor == 1 else step)

@@ -1,8 +1,9 @@
 """The bf16 rows kernel (csrc/bf16_rows.cpp, specmesh/engine/bf16rows.py): its sums against a
-float reference, row-invariance (batched rows bitwise its one-row calls), and where the engine
-runs it: default-mode steps of 2+ rows (a verify's, several sequences' decode rows); a lone row
-(AR alone), a prompt's prefill and deterministic steps keep oneDNN's arithmetic, bitwise the plain
-model's."""
+float reference, row-invariance (batched rows bitwise its one-row calls), its K blocks (kc), the
+probe that finds the block making its rows bitwise oneDNN's one-row calls (F.linear's), and where
+the engine runs it: default-mode steps of 2+ rows; where exact, also a lone row (AR: still bitwise
+the plain model's) and a deterministic step's rows (still bitwise the one-token steps); a
+prompt's prefill never."""
 
 from __future__ import annotations
 
@@ -33,13 +34,50 @@ def test_the_kernel_sums_in_float32_and_its_rows_are_its_one_row_calls(with_bias
     assert tuple(wp.shape) == (3, 32, 64)
     # packing is per 32-column block: two members' copies stacked are the stacked weight's packing
     assert torch.equal(torch.cat([ext.bf16_pack(w[:64]), ext.bf16_pack(w[64:])]), wp)
-    y = ext.bf16_rows(x, wp, bias)  # [13, 96] bf16
+    y = ext.bf16_rows(x, wp, bias, 0)  # [13, 96] bf16
     ref = x.float() @ w.float().T + (0 if bias is None else bias)
     assert y.dtype == torch.bfloat16 and y.shape == (13, 96)
     assert torch.allclose(y.float(), ref, rtol=1e-2, atol=1e-2)
-    ones = torch.cat([ext.bf16_rows(x[i:i + 1], wp, bias) for i in range(13)])
+    ones = torch.cat([ext.bf16_rows(x[i:i + 1], wp, bias) for i in range(13)])  # kc defaults to 0
     assert torch.equal(ones, y)  # row-invariant: 13 rows (two groups) = 13 one-row calls
     assert torch.equal(ext.bf16_rows(x[:5], wp, bias), y[:5])
+    chunked = ext.bf16_rows(x, wp, bias, 8)  # K blocks of 16: row-invariant too, close to one chain
+    assert torch.equal(torch.cat([ext.bf16_rows(x[i:i + 1], wp, bias, 8) for i in range(13)]), chunked)
+    assert torch.allclose(chunked.float(), ref, rtol=1e-2, atol=1e-2)
+    assert torch.equal(ext.bf16_rows(x, wp, bias, 32), y)  # one block of all 32 k-pairs: the one chain
+
+
+def test_each_k_block_sums_from_zero_and_the_blocks_add_in_order():
+    """x . w over k-pairs (1, 2^24, 1, -2^24) (odd lanes 0): one float32 chain rounds 1 + 2^24 to
+    2^24 and ends at 0; blocks of 2 pairs sum (2^24) + (1 - 2^24) = 1; blocks of 1 pair chain again."""
+    ext = _ext()
+    x = torch.tensor([[1.0, 0.0] * 4], dtype=torch.bfloat16)  # [1, 8]
+    w = torch.tensor([[1.0, 0.0, 2.0 ** 24, 0.0, 1.0, 0.0, -(2.0 ** 24), 0.0]] * 32, dtype=torch.bfloat16)  # [32, 8]
+    wp = ext.bf16_pack(w)
+    assert torch.equal(ext.bf16_rows(x, wp, None, 0), torch.zeros(1, 32, dtype=torch.bfloat16))
+    assert torch.equal(ext.bf16_rows(x, wp, None, 2), torch.ones(1, 32, dtype=torch.bfloat16))
+    assert torch.equal(ext.bf16_rows(x, wp, None, 1), torch.zeros(1, 32, dtype=torch.bfloat16))
+    assert torch.equal(ext.bf16_rows(x, wp, None, 3), torch.zeros(1, 32, dtype=torch.bfloat16))  # (1 + 2^24 + 1) - 2^24
+
+
+def test_the_exact_block_found_makes_rows_bitwise_one_row_f_linear_calls():
+    """exact_chunk's block (where this CPU's oneDNN has one among the candidates) on draws the probe
+    never saw, wide-range and normal: every row of 1-13-row calls = F.linear's one-row call."""
+    ext = _ext()
+    mods = [torch.nn.Linear(k, n, bias=False).to(torch.bfloat16) for n, k in ((64, 1536), (96, 576), (64, 1024))]
+    kc = bf16rows.exact_chunk(mods, ext, onednn.run, onednn.pack)
+    if kc is None:
+        pytest.skip("no candidate block makes the kernel oneDNN's one-row call on this CPU")
+    assert kc in bf16rows.CHUNKS
+    gen = torch.Generator().manual_seed(77)
+    for m in mods:
+        for scale in (1.0, 2.0 ** 8):
+            w = (torch.randn(m.weight.shape, generator=gen) * torch.exp2(torch.randint(-8, 9, m.weight.shape, generator=gen))).bfloat16()
+            x = (torch.randn(13, m.in_features, generator=gen) * scale).bfloat16()
+            one = torch.cat([torch.nn.functional.linear(x[i:i + 1], w) for i in range(13)])
+            wp = ext.bf16_pack(w)
+            for rows in (1, 4, 13):
+                assert torch.equal(ext.bf16_rows(x[:rows], wp, None, kc), one[:rows])
 
 
 def test_pack_refuses_shapes_it_cannot_tile():
@@ -61,7 +99,8 @@ def _model():
 
 @pytest.fixture()
 def forced():
-    """(plain, with the kernel forced on) models of the same weights; counts the kernel's calls."""
+    """(plain, with the kernel forced on) models of the same weights; records the calls that take
+    the kernel: (rows, deterministic)."""
     bf16rows.configure(True)
     try:
         plain, model = _model(), _model()
@@ -73,37 +112,48 @@ def forced():
         pytest.skip("oneDNN prepacked nothing on this CPU")
     assert model._specmesh_bf16rows_report["used"] and bf16rows.packed_bytes(model) > 0
     calls = []
-    real = bf16rows.call
-    bf16rows.call = lambda mod, x2: calls.append(x2.shape[0]) or real(mod, x2)
+    real = bf16rows.route
+
+    def route(mod, rows, prefill, det=False):
+        r = real(mod, rows, prefill, det)
+        if r is not None:
+            calls.append((rows, det))
+        return r
+
+    bf16rows.route = route
     yield plain, model, calls
-    bf16rows.call = real
+    bf16rows.route = real
 
 
-def test_only_a_batched_steps_rows_take_the_kernel(forced, prefilled):
+def test_where_a_step_takes_the_kernel(forced, prefilled, one_token_steps):
     plain, model, calls = forced
+    exact = model._specmesh_bf16rows_report["exact"]
     prompt = [(7 * i + 3) % 2048 for i in range(60)]
     kvs = [prefilled(m, prompt) for m in (plain, model)]
     assert torch.equal(kvs[0].keys(0, 60), kvs[1].keys(0, 60)) and not calls  # a prefill: oneDNN / F.linear
     one = [batched_step(m, [kv], [[5]])[0].logits for m, kv in zip((plain, model), kvs)]
-    assert torch.equal(one[0], one[1]) and not calls  # a lone row (AR): oneDNN's, bitwise the plain model's
+    assert torch.equal(one[0], one[1])  # a lone row (AR): bitwise the plain model's, kernel or not
+    assert bool(calls) == exact and set(calls) <= {(1, False)}  # forced on and exact: the kernel
     twice = prefilled(model, prompt[:30])
     calls.clear()
     batched_step(model, [kvs[1], twice], [[5], [9]])
-    assert calls and set(calls) == {2}  # two sequences' decode rows (AR at concurrency 2): the kernel
+    assert calls and set(calls) == {(2, False)}  # two sequences' decode rows (AR at concurrency 2): the kernel
     calls.clear()
     five = [batched_step(m, [kv], [[5, 6, 7, 8, 9]])[0].logits for m, kv in zip((plain, model), kvs)]
-    assert calls and set(calls) == {5}  # a verify's 5 rows: the kernel (every decoder linear)
-    assert torch.allclose(five[0], five[1], atol=0.15)  # another summation order, same function
+    assert calls and set(calls) == {(5, False)}  # a verify's 5 rows: the kernel (every decoder linear)
+    assert torch.allclose(five[0], five[1], atol=0.15)  # another summation order (or the same), same function
+    steps = [one_token_steps(m, prompt, [5, 6, 7, 8]) for m in (plain, model)]
+    assert torch.equal(steps[0], steps[1])  # the AR of 4 tokens: HF's one-row arithmetic throughout
 
 
-def test_deterministic_steps_never_take_it(forced, prefilled, one_token_steps):
+def test_deterministic_steps_take_it_only_where_exact(forced, prefilled, one_token_steps):
     _, model, calls = forced
     rowexact.install(model)
     prompt, drafts = [3, 9, 4, 17, 8, 100, 2], [5, 6, 7, 1000, 12, 13]
     kv = prefilled(model, prompt)
     calls.clear()
     exact = batched_step(model, [kv], [drafts], row_exact=True)[0].logits
-    assert not calls
+    assert bool(calls) == model._specmesh_bf16rows_report["exact"] and all(det for _, det in calls if _ > 1)
     assert torch.equal(exact, one_token_steps(model, prompt, drafts))
 
 
@@ -120,7 +170,9 @@ def test_false_installs_nothing_and_auto_reports_its_probe():
     cpu_gemm.install(auto)
     report = auto._specmesh_bf16rows_report
     assert len(report["onednn_ms"]) == len(report["kernel_ms"]) == len(bf16rows.PROBE_ROWS)
-    assert report["used"] == all(k < o for o, k in zip(report["onednn_ms"], report["kernel_ms"]))
+    faster = [k < o for o, k in zip(report["onednn_ms"], report["kernel_ms"])]
+    assert report["used"] == (report["exact"] or all(faster[1:]))  # exact: batched rows whatever the timing
+    assert report["lone"] == (report["exact"] and faster[0])
     assert (bf16rows.packed_bytes(auto) > 0) == report["used"]
 
 
@@ -130,13 +182,13 @@ def test_the_probe_alternates_the_two_paths_passes():
 
     class Ext:
         @staticmethod
-        def bf16_rows(x, wp, bias):
+        def bf16_rows(x, wp, bias, kc):
             order.append("k")
 
     mods = [torch.nn.Linear(64, 32, bias=False).to(torch.bfloat16) for _ in range(2)]
     for m in mods:
         m._specmesh_onednn = m._specmesh_bf16rows = None
-    onednn_ms, kernel_ms = bf16rows._probe(mods, Ext, lambda x, wp, bias: order.append("o"))
+    onednn_ms, kernel_ms = bf16rows._probe(mods, Ext, lambda x, wp, bias: order.append("o"), 0)
     assert len(onednn_ms) == len(kernel_ms) == len(bf16rows.PROBE_ROWS)
     passes = "".join(order[::len(mods)])  # one letter per pass over the linears
     rounds = bf16rows.PROBE_REPEATS + 1

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <array>
 #include <utility>
 
@@ -46,36 +47,48 @@ inline void store_row(c10::BFloat16* y, const float* bias, __m512 a, int64_t col
 }
 
 // MR rows x one panel pair (32 columns): x rows at stride K (bf16), pair at stride 64 per k-pair.
+// The k-pairs run in chunks of kc (kc <= 0: one chunk): each chunk's chains start from 0 and are
+// added in order to the float32 sums of the chunks before (the first chunk's taken as they are),
+// as oneDNN's brgemm sums a one-row call in K blocks (kc = 256 pairs, K blocks of 512, on a Zen 4).
 template <int MR>
 void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* pair, bool near, const float* bias,
-          c10::BFloat16* y, int64_t N, int64_t col) {
-  __m512 a0[MR], a1[MR];
+          c10::BFloat16* y, int64_t N, int64_t col, int64_t kc) {
+  __m512 s0[MR], s1[MR];  // [MR] x 32 columns: the sums of the chunks done
+  const int64_t K2 = K / 2, step = kc > 0 ? kc : K2;
+  for (int64_t j0 = 0; j0 < K2; j0 += step) {
+    __m512 a0[MR], a1[MR];
 #pragma GCC unroll 12
-  for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
-  const int64_t K2 = K / 2;
-  for (int64_t j = 0; j < K2; ++j) {
-    const c10::BFloat16* w = pair + j * 64;
-    if (near) {
-      _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_BYTES, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_FAR, _MM_HINT_T1);
+    for (int i = 0; i < MR; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+    const int64_t j1 = std::min(K2, j0 + step);
+    for (int64_t j = j0; j < j1; ++j) {
+      const c10::BFloat16* w = pair + j * 64;
+      if (near) {
+        _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_FAR, _MM_HINT_T1);
+      }
+      const __m512bh w0 = as_bh(_mm512_loadu_si512(w)), w1 = as_bh(_mm512_loadu_si512(w + 32));
+#pragma GCC unroll 12
+      for (int i = 0; i < MR; ++i) {
+        const __m512bh u = as_bh(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + i * K + 2 * j)));
+        a0[i] = _mm512_dpbf16_ps(a0[i], u, w0);
+        a1[i] = _mm512_dpbf16_ps(a1[i], u, w1);
+      }
     }
-    const __m512bh w0 = as_bh(_mm512_loadu_si512(w)), w1 = as_bh(_mm512_loadu_si512(w + 32));
 #pragma GCC unroll 12
     for (int i = 0; i < MR; ++i) {
-      const __m512bh u = as_bh(_mm512_set1_epi32(*reinterpret_cast<const int32_t*>(x + i * K + 2 * j)));
-      a0[i] = _mm512_dpbf16_ps(a0[i], u, w0);
-      a1[i] = _mm512_dpbf16_ps(a1[i], u, w1);
+      s0[i] = j0 == 0 ? a0[i] : _mm512_add_ps(s0[i], a0[i]);
+      s1[i] = j0 == 0 ? a1[i] : _mm512_add_ps(s1[i], a1[i]);
     }
   }
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) {
-    store_row(y + i * N, bias, a0[i], col);
-    store_row(y + i * N, bias, a1[i], col + 16);
+    store_row(y + i * N, bias, s0[i], col);
+    store_row(y + i * N, bias, s1[i], col + 16);
   }
 }
 
 using TileFn = void (*)(const c10::BFloat16*, int64_t, const c10::BFloat16*, bool, const float*, c10::BFloat16*,
-                        int64_t, int64_t);
+                        int64_t, int64_t, int64_t);
 
 template <int... I>
 constexpr std::array<TileFn, sizeof...(I)> tiles(std::integer_sequence<int, I...>) {
@@ -83,13 +96,13 @@ constexpr std::array<TileFn, sizeof...(I)> tiles(std::integer_sequence<int, I...
 }
 
 void pair_rows(const c10::BFloat16* x, int64_t M, int64_t K, const c10::BFloat16* wp, int64_t p, const float* bias,
-               c10::BFloat16* y, int64_t N) {
+               c10::BFloat16* y, int64_t N, int64_t kc) {
   static const auto table = tiles(std::make_integer_sequence<int, MAX_MR>{});
   const int64_t groups = (M + MAX_MR - 1) / MAX_MR;
   const c10::BFloat16* pair = wp + p * (K / 2) * 64;
   for (int64_t g = 0, m = 0; g < groups; ++g) {
     const int64_t rows = M / groups + (g < M % groups ? 1 : 0);
-    table[rows - 1](x + m * K, K, pair, g == 0, bias, y + m * N, N, p * 32);
+    table[rows - 1](x + m * K, K, pair, g == 0, bias, y + m * N, N, p * 32, kc);
     m += rows;
   }
 }
@@ -116,8 +129,9 @@ torch::Tensor bf16_pack(torch::Tensor w) {
   return w.contiguous().view({N / 32, 32, K / 2, 2}).permute({0, 2, 1, 3}).contiguous().view({N / 32, K / 2, 64});
 }
 
-// x: [M, K] bf16; wp: bf16_pack(W); bias: [N] float32 / bf16 or None -> [M, N] bf16.
-torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias) {
+// x: [M, K] bf16; wp: bf16_pack(W); bias: [N] float32 / bf16 or None; kc: k-pairs per chunk (tile)
+// -> [M, N] bf16.
+torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t kc) {
   TORCH_CHECK(bf16_rows_built(), "bf16_rows: built without AVX512-BF16");
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && wp.scalar_type() == at::kBFloat16 && wp.dim() == 3 &&
                   wp.size(2) == 64 && x.size(1) == 2 * wp.size(1) && x.device().is_cpu() && wp.device().is_cpu(),
@@ -134,7 +148,7 @@ torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::
   c10::BFloat16* yp = y.data_ptr<c10::BFloat16>();
   if (M > 0) {
     at::parallel_for(0, P, 8, [&](int64_t p0, int64_t p1) {
-      for (int64_t p = p0; p < p1; ++p) pair_rows(xp, M, K, pp, p, bp, yp, N);
+      for (int64_t p = p0; p < p1; ++p) pair_rows(xp, M, K, pp, p, bp, yp, N, kc);
     });
   }
 #endif

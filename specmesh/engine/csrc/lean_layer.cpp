@@ -30,13 +30,13 @@ int64_t bucket(int64_t m) {  // onednn.bucket
 
 }  // namespace
 
-torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias);  // bf16_rows.cpp
+torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t kc);  // bf16_rows.cpp
 
 namespace {
 
-// onednn.run, or (a [N/32, K/2, 64] weight: bf16rows.py's copy, default-mode steps of 2+ rows) bf16_rows
-at::Tensor run(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b) {
-  if (wp.dim() == 3) return bf16_rows(x, wp, b);
+// onednn.run, or (a [N/32, K/2, 64] weight: bf16rows.py's copy) bf16_rows, its sums in chunks of kc k-pairs
+at::Tensor run(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b, int64_t kc) {
+  if (wp.dim() == 3) return bf16_rows(x, wp, b, kc);
   const int64_t m = x.size(0), pad = bucket(m) - m;
   const at::Tensor xi = pad ? at::cat({x, x.new_zeros({pad, x.size(1)})}) : x;
   at::Tensor y = linear_op().call(xi, wp, b, "none", c10::List<std::optional<c10::Scalar>>(),
@@ -44,20 +44,21 @@ at::Tensor run(const at::Tensor& x, const at::Tensor& wp, const std::optional<at
   return pad ? y.slice(0, 0, m) : y;
 }
 
-at::Tensor floored(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b, int64_t floor) {
+at::Tensor floored(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b, int64_t floor,
+                   int64_t kc) {
   const int64_t m = x.size(0);
-  if (floor <= 1 || m >= floor) return run(x, wp, b);
-  return run(at::cat({x, x.slice(0, m - 1).expand({floor - m, -1})}), wp, b).slice(0, 0, m);
+  if (floor <= 1 || m >= floor) return run(x, wp, b, kc);
+  return run(at::cat({x, x.slice(0, m - 1).expand({floor - m, -1})}), wp, b, kc).slice(0, 0, m);
 }
 
 // x: [M, in] -> [M, out]
 at::Tensor linear(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b, int64_t step,
-                  int64_t floor) {
+                  int64_t floor, int64_t kc) {
   const int64_t m = x.size(0);
-  if (step <= 0) return run(x, wp, b);
-  if (m <= step) return floored(x, wp, b, floor);
+  if (step <= 0) return run(x, wp, b, kc);
+  if (m <= step) return floored(x, wp, b, floor, kc);
   std::vector<at::Tensor> parts;
-  for (int64_t i = 0; i < m; i += step) parts.push_back(floored(x.slice(0, i, std::min(i + step, m)), wp, b, floor));
+  for (int64_t i = 0; i < m; i += step) parts.push_back(floored(x.slice(0, i, std::min(i + step, m)), wp, b, floor, kc));
   return at::cat(parts);
 }
 
@@ -74,9 +75,9 @@ at::Tensor rms(const at::Tensor& x, const at::Tensor& w, double eps) {
 // the norm, the stacked q/k/v call (columns q, k, v) and RoPE on q and k in one call; cos, sin: [T, 1, D].
 std::vector<at::Tensor> lean_pre(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wp,
                                  const std::optional<at::Tensor>& b, int64_t step, int64_t floor, const at::Tensor& cos,
-                                 const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t d) {
+                                 const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t d, int64_t kc) {
   const int64_t t = x.size(0), qe = heads * d, ke = qe + kv_heads * d;
-  const at::Tensor qkv = linear(rms(x, norm_w, eps), wp, b, step, floor);  // [T, (H + 2 KV) D]
+  const at::Tensor qkv = linear(rms(x, norm_w, eps), wp, b, step, floor, kc);  // [T, (H + 2 KV) D]
   const at::Tensor q = qkv.slice(1, 0, qe).view({t, heads, d});
   const at::Tensor k = qkv.slice(1, qe, ke).view({t, kv_heads, d});
   const at::Tensor v = qkv.slice(1, ke, ke + kv_heads * d).view({t, kv_heads, d});
@@ -89,16 +90,17 @@ std::vector<at::Tensor> lean_pre(const at::Tensor& x, const at::Tensor& norm_w, 
 
 // Second half: x [T, hidden], o [1, T, H, D] (attention's) -> the layer's output [T, hidden]:
 // o_proj and the residual, the norm, the stacked gate/up call (columns gate, up), SiLU(gate) * up,
-// down_proj and the residual. Each linear: (weight, bias, step, floor).
+// down_proj and the residual. Each linear: (weight, bias, step, floor); kc: bf16_rows' chunk (run).
 at::Tensor lean_post(const at::Tensor& x, const at::Tensor& o, const at::Tensor& wp_o, const std::optional<at::Tensor>& b_o,
                      int64_t step_o, int64_t floor_o, const at::Tensor& norm_w, double eps, const at::Tensor& wp_gu,
                      const std::optional<at::Tensor>& b_gu, int64_t step_gu, int64_t floor_gu, int64_t inter,
-                     const at::Tensor& wp_d, const std::optional<at::Tensor>& b_d, int64_t step_d, int64_t floor_d) {
+                     const at::Tensor& wp_d, const std::optional<at::Tensor>& b_d, int64_t step_d, int64_t floor_d,
+                     int64_t kc) {
   const int64_t t = x.size(0);
-  const at::Tensor x1 = x + linear(o.reshape({t, o.size(2) * o.size(3)}), wp_o, b_o, step_o, floor_o);
-  const at::Tensor gu = linear(rms(x1, norm_w, eps), wp_gu, b_gu, step_gu, floor_gu);  // [T, 2 I]
+  const at::Tensor x1 = x + linear(o.reshape({t, o.size(2) * o.size(3)}), wp_o, b_o, step_o, floor_o, kc);
+  const at::Tensor gu = linear(rms(x1, norm_w, eps), wp_gu, b_gu, step_gu, floor_gu, kc);  // [T, 2 I]
   const at::Tensor act = at::silu(gu.slice(1, 0, inter)) * gu.slice(1, inter, 2 * inter);  // [T, I]
-  return x1 + linear(act, wp_d, b_d, step_d, floor_d);
+  return x1 + linear(act, wp_d, b_d, step_d, floor_d, kc);
 }
 
 // sdpa_rows.cpp

@@ -269,11 +269,12 @@ void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length
 // lean_layer.cpp
 std::vector<at::Tensor> lean_pre(const at::Tensor& x, const at::Tensor& norm_w, double eps, const at::Tensor& wp,
                                  const std::optional<at::Tensor>& b, int64_t step, int64_t floor, const at::Tensor& cos,
-                                 const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t d);
+                                 const at::Tensor& sin, int64_t heads, int64_t kv_heads, int64_t d, int64_t kc);
 at::Tensor lean_post(const at::Tensor& x, const at::Tensor& o, const at::Tensor& wp_o, const std::optional<at::Tensor>& b_o,
                      int64_t step_o, int64_t floor_o, const at::Tensor& norm_w, double eps, const at::Tensor& wp_gu,
                      const std::optional<at::Tensor>& b_gu, int64_t step_gu, int64_t floor_gu, int64_t inter,
-                     const at::Tensor& wp_d, const std::optional<at::Tensor>& b_d, int64_t step_d, int64_t floor_d);
+                     const at::Tensor& wp_d, const std::optional<at::Tensor>& b_d, int64_t step_d, int64_t floor_d,
+                     int64_t kc);
 at::Tensor pool_attend(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& pk,
                        const at::Tensor& pv, const std::vector<int64_t>& geo, const std::vector<std::optional<at::Tensor>>& masks,
                        const std::vector<at::Tensor>& paths, const std::vector<at::Tensor>& offs, std::optional<double> scale,
@@ -287,7 +288,7 @@ torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
 // bf16_rows.cpp
 bool bf16_rows_built();
 torch::Tensor bf16_pack(torch::Tensor w);
-torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias);
+torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t kc);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels");
@@ -300,6 +301,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("exact_row", &exact_row, "one bf16 query row's attention in torch's CPU SDPA order, bit for bit where probed");
   m.def("bf16_rows_built", &bf16_rows_built, "whether bf16_rows was built with AVX512-BF16");
   m.def("bf16_pack", &bf16_pack, "pack a [N, K] bf16 weight into [N/32, K/2, 64] panel pairs (k-pairs interleaved)");
-  m.def("bf16_rows", &bf16_rows, "y = x @ W^T + bias, bf16, float32 sums, row-invariant (AVX512-BF16)");
+  m.def("bf16_rows", &bf16_rows, "y = x @ W^T + bias, bf16, float32 sums in chunks of kc k-pairs, row-invariant (AVX512-BF16)",
+        pybind11::arg("x"), pybind11::arg("wp"), pybind11::arg("bias"), pybind11::arg("kc") = 0);
   m.def("lean_post", &lean_post, "lean_hf's layer after attention: o_proj, residual, norm, gate/up, SiLU, down, residual");
 }
