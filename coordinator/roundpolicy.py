@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from specmesh.config import AUTOREGRESSIVE_DRAFTERS
 from specmesh.core.costmodel import VerifyCost
-from specmesh.core.goodput import KPolicy, RateBook, shared_cycle_s, skip_beats_drafting
+from specmesh.core.goodput import KPolicy, RateBook, expected_tokens, shared_cycle_s, skip_beats_drafting
 from specmesh.core.pace import PROBE_ROUNDS
 from specmesh.core.treepolicy import TreePolicy, emitted_by_budget, path_nodes
 from specmesh.core.trim import cumulative
@@ -42,23 +42,27 @@ class RoundPolicy:
         ready: draft tokens already drafted for this round (a pre-draft hit): they cost no wait.
         coming: a pre-draft that may still hit is in flight (a round that drafts waits for it).
         Under goodput, a k > 0 then passes the measured pace (core/pace.py): 0 where drafting
-        emits slower than the target alone."""
+        emits slower than the target alone (a chain: at this request's expected tokens a round)."""
         policy = self._policy(method)
         self.nodes = self.tree_budget
         if policy is None:
             return max(0, min(fixed_k, limit))
         k = self._goodput_k(policy, method, fixed_k, limit, ready, coming)
-        return self._paced(method.split("~", 1)[0], k) if k else 0  # a tail's key: its drafter's pace
+        if not k:
+            return 0
+        expected = expected_tokens(policy.rates, k) if isinstance(policy, KPolicy) else None
+        return self._paced(method.split("~", 1)[0], k, expected)  # a tail's key: its drafter's pace
 
-    def _paced(self, drafter: str, k: int) -> int:
-        """k through the pace book's gate; a probe of a losing drafter drafts PROBE_ROUNDS rounds."""
+    def _paced(self, drafter: str, k: int, expected: float | None = None) -> int:
+        """k through the pace book's gate (expected: this round's expected tokens, where known); a
+        probe of a losing drafter drafts PROBE_ROUNDS rounds."""
         pace = self.rate_book.pace
         if pace is None:
             return k
         if self._probing > 0:
             self._probing -= 1
             return k
-        got, losing_probe = pace.decide(drafter, k)
+        got, losing_probe = pace.decide(drafter, k, expected)
         if losing_probe:
             self._probing = PROBE_ROUNDS - 1
         if not got:

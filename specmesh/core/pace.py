@@ -18,6 +18,14 @@ drafter, so both arms stay current as load moves. A request's drafting round rig
 that did not draft (its first, or after k = 0) is not counted: it waits for a draft that steady
 drafting has ready (the block drafter's table), so counting it biased a probe against drafting
 (a first version turned the block tree off at concurrency 1, where it paid 1.10x).
+
+A chain round's drafting seconds per token are priced at the request's own expected tokens (its
+goodput rates at the chosen k) over the drafting arm's seconds a round, not at the tokens all
+requests' drafting rounds emitted: the arm is process-wide, so a drafter that loses on most text
+lost on every request. Seen on a 2-core Zen 4 once the one-token step got 1.4x cheaper (session
+40): the population's n-gram rounds lost to the target alone, the gate held k = 0 in 76% of
+rounds at concurrency 1, and extraction prompts, 2.5 tokens a round before, read 1.15x AR
+instead of 2.13x. Trees keep the arm's tokens.
 """
 
 from __future__ import annotations
@@ -62,31 +70,34 @@ class PaceBook:
             arm.rounds += 1
             arm.last = self._ticks.get(method, 0)
 
-    def loses(self, method: str) -> bool:
-        """Whether drafting with `method` emits slower than the target alone, both arms measured."""
+    def loses(self, method: str, expected: float | None = None) -> bool:
+        """Whether drafting with `method` emits slower than the target alone, both arms measured:
+        at the drafting rounds' measured tokens, or at `expected` tokens a drafting round."""
         with self._lock:
-            return self._loses(method)
+            return self._loses(method, expected)
 
-    def _loses(self, method: str) -> bool:
+    def _loses(self, method: str, expected: float | None = None) -> bool:
         draft, alone = self._arms.get((method, True)), self._arms.get((method, False))
         if draft is None or alone is None or min(draft.rounds, alone.rounds) < self.min_rounds:
             return False
-        return draft.s_per_token > alone.s_per_token * (1.0 + self.margin)
+        per_token = draft.seconds / expected if expected else draft.s_per_token
+        return per_token > alone.s_per_token * (1.0 + self.margin)
 
-    def gate(self, method: str, k: int) -> int:
+    def gate(self, method: str, k: int, expected: float | None = None) -> int:
         """This round's k once goodput chose k (> 0: drafting): 0 where drafting loses (but every
         `every`-th round drafts), or to measure the target alone (module docstring)."""
-        return self.decide(method, k)[0]
+        return self.decide(method, k, expected)[0]
 
-    def decide(self, method: str, k: int) -> tuple[int, bool]:
-        """(gate's k, whether that k > 0 is the probe of a drafter that loses), under one lock."""
+    def decide(self, method: str, k: int, expected: float | None = None) -> tuple[int, bool]:
+        """(gate's k, whether that k > 0 is the probe of a drafter that loses), under one lock.
+        expected: the round's expected tokens (the request's own rates), where known."""
         if k <= 0:
             return k, False
         with self._lock:
             tick = self._ticks.get(method, 0) + 1
             self._ticks[method] = tick
             probe = tick % self.every == 0
-            if self._loses(method):
+            if self._loses(method, expected):
                 return (k, True) if probe else (0, False)
             alone = self._arms.get((method, False))
             unknown = alone is None or alone.rounds < self.min_rounds or tick - alone.last > self.stale

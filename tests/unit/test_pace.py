@@ -84,8 +84,8 @@ def test_a_probe_of_a_losing_drafter_drafts_several_rounds_in_a_row():
 
     book = RateBook()
     book.pace = PaceBook(min_rounds=1, every=4)
-    book.pace.observe("ngram", True, 0.06, 1)
-    book.pace.observe("ngram", False, 0.04, 1)
+    book.pace.observe("ngram", True, 0.30, 1)  # 300 ms a drafting round: a loss at any expected tokens (<= 9)
+    book.pace.observe("ngram", False, 0.03, 1)
     rp = RoundPolicy(k_max=8, rate_book=book)
     rp.take_cost({"rows": [1, 9], "seconds": [1.0, 1.0], "mean_batch": 1.0})
     got = [rp.k("ngram", 4, limit=50) > 0 for _ in range(12)]
@@ -105,3 +105,30 @@ def test_without_a_pace_book_goodput_k_is_never_gated():
         rp.observe("block", True, 1.0, 1)
         rp.observe("block", False, 0.01, 4)
     assert all(rp.k("block", 4, limit=50) == 4 for _ in range(40))
+
+
+def test_a_round_is_priced_at_its_request_s_expected_tokens_where_known():
+    """The drafting arm's seconds a round over this request's expected tokens: a drafter that loses
+    on the population (1.1 tokens a round) still drafts for a request expecting 2.5."""
+    book = PaceBook(min_rounds=2, every=1000)
+    _rounds(book, "ngram", True, 0.030, 1, 4)  # ~1 token per 30 ms round
+    _rounds(book, "ngram", False, 0.024, 1, 4)  # the target alone: 24 ms a token
+    assert book.loses("ngram") and book.loses("ngram", expected=1.1)  # 27.3 ms a token > 24 x 1.05
+    assert not book.loses("ngram", expected=2.5)  # 12 ms a token
+    assert book.gate("ngram", 4, expected=1.1) == 0 and book.gate("ngram", 4, expected=2.5) == 4
+    assert book.gate("ngram", 4) == 0  # no expectation: the arm's own tokens
+
+
+def test_round_policy_passes_its_chain_s_expected_tokens_to_the_gate():
+    book = RateBook()
+    book.pace = PaceBook(min_rounds=2, every=1000)
+    _rounds(book.pace, "ngram", True, 0.030, 1, 4)
+    _rounds(book.pace, "ngram", False, 0.024, 1, 4)
+    cost = {"rows": [1, 9], "seconds": [0.024, 0.030], "mean_batch": 1.0}
+    low, high = RoundPolicy(k_max=4, rate_book=book), RoundPolicy(k_max=4, rate_book=book)
+    for rp, rate in ((low, 0.1), (high, 0.9)):
+        rp.take_cost(cost)
+        rp.policies["ngram"] = rp._policy("ngram")
+        rp.policies["ngram"].rates = [rate] * 4
+    assert low.k("ngram", 4, limit=50) == 0  # goodput drafts, the gate holds it at its 1.1 tokens
+    assert high.k("ngram", 4, limit=50) > 0  # ~3.4 expected tokens: drafting pays at the arm's pace
