@@ -232,15 +232,16 @@ def head_chunking(model: torch.nn.Module, mode: int) -> tuple[int, int]:
     return chunking(int(getattr(model, "_specmesh_head_rows", 0)), int(getattr(model, "_specmesh_head_rows2", 0)), mode)
 
 
-def probed(model: torch.nn.Module, mode: int = 1) -> dict[str, int]:
+def probed(model: torch.nn.Module, mode: int = 1, kernel: bool = True) -> dict[str, int]:
     """What install probed, as rows(mode) runs it: {linear shape 'out x in dtype': rows per call,
     ..., 'NormClass H dtype': rows, 'lm_head dtype': rows} (for logs; ' (2-row floor)' appended where the floor is used;
-    a linear on the exact bf16 rows kernel, bf16rows.py: PROBE_PACKED_ROWS, the most any chunk holds)."""
+    a linear on the exact bf16 rows kernel, bf16rows.py: PROBE_PACKED_ROWS, the most any chunk holds;
+    kernel=False: what oneDNN's calls hold, the kernel aside)."""
     out = {}
     for mod in model.model.modules():
         if isinstance(mod, torch.nn.Linear) and hasattr(mod, "_specmesh_rows"):
             w = mod.weight
-            if bf16rows.route(mod, PROBE_PACKED_ROWS, False, det=True) is not None:  # every row a one-row call's bits
+            if kernel and bf16rows.route(mod, PROBE_PACKED_ROWS, False, det=True) is not None:  # one-row bits
                 out[f"{w.shape[0]}x{w.shape[1]} {dtype_name(w.dtype)} (exact rows kernel)"] = PROBE_PACKED_ROWS
                 continue
             step, floor = chunking(mod._specmesh_rows, mod._specmesh_rows2, mode)
@@ -257,8 +258,12 @@ def probed(model: torch.nn.Module, mode: int = 1) -> dict[str, int]:
 
 def cheap(model: torch.nn.Module, mode: int = 1) -> bool:
     """Whether deterministic verification under rows(mode) costs almost nothing on this machine:
-    every probed count is at least CHEAP_ROWS (install must have run)."""
-    return is_installed(model) and min(probed(model, mode).values()) >= CHEAP_ROWS
+    every count oneDNN's calls were probed to hold is at least CHEAP_ROWS (install must have run).
+    The exact bf16 rows kernel (bf16rows.py) does not count: with it a Zen 4's deterministic
+    forwards cost 1.04-1.18x the batched ones (micro-bench), but through the mesh 7 short requests
+    decoding together paid 56.9 ms a token against 36.5 batched, and AR at concurrency 16 ~10%
+    (session 40: docs/bench/engine.md#25), so there the mode stays one key away."""
+    return is_installed(model) and min(probed(model, mode, kernel=False).values()) >= CHEAP_ROWS
 
 
 def auto_mode(model: torch.nn.Module) -> int:

@@ -155,6 +155,11 @@ def test_deterministic_steps_take_it_only_where_exact(forced, prefilled, one_tok
     exact = batched_step(model, [kv], [drafts], row_exact=True)[0].logits
     assert bool(calls) == model._specmesh_bf16rows_report["exact"] and all(det for _, det in calls if _ > 1)
     assert torch.equal(exact, one_token_steps(model, prompt, drafts))
+    shown = rowexact.probed(model, 1)  # logs and reports name the kernel where it serves ...
+    assert any("exact rows kernel" in k for k in shown) == model._specmesh_bf16rows_report["exact"]
+    bare = rowexact.probed(model, 1, kernel=False)  # ... but batch_invariant auto weighs oneDNN's counts only
+    assert not any("exact rows kernel" in k for k in bare)
+    assert rowexact.cheap(model, 1) == (min(bare.values()) >= rowexact.CHEAP_ROWS)
 
 
 def test_false_installs_nothing_and_auto_reports_its_probe():
