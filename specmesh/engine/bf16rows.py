@@ -75,9 +75,10 @@ def configure(setting: bool | str) -> None:
     _SETTING = setting
 
 
-def route(mod, rows: int, prefill: bool, det: bool = False) -> tuple[torch.Tensor, int, tuple | None] | None:
-    """(kernel copy, kc, columns or None) where a call of `rows` rows of mod takes the kernel (a
-    stack member: the stack's copy and its columns), else None. det: inside a deterministic step."""
+def route(mod, rows: int, prefill: bool, det: bool = False) -> tuple[object, int, tuple | None] | None:
+    """(owner, kc, columns or None) where a call of `rows` rows of mod takes the kernel, else None:
+    the owner holds the copy (`_specmesh_bf16rows`) and the bias, mod itself or (a stack member)
+    its stack, whose columns cols are mod's. det: inside a deterministic step."""
     owner, cols = mod, None
     if getattr(mod, "_specmesh_bf16rows", None) is None:
         part = getattr(mod, "_specmesh_onednn_part", None)
@@ -91,7 +92,7 @@ def route(mod, rows: int, prefill: bool, det: bool = False) -> tuple[torch.Tenso
         ok = use.exact and rows <= use.det_rows
     else:
         ok = use.lone if rows == 1 else use.batched and MIN_ROWS <= rows <= MAX_ROWS
-    return (wp, use.kc, cols) if ok else None
+    return (owner, use.kc, cols) if ok else None
 
 
 def call(mod, x2: torch.Tensor, prefill: bool, det: bool = False) -> torch.Tensor | None:
@@ -99,9 +100,8 @@ def call(mod, x2: torch.Tensor, prefill: bool, det: bool = False) -> torch.Tenso
     r = route(mod, x2.shape[0], prefill, det)
     if r is None:
         return None
-    wp, kc, cols = r
-    owner = mod if cols is None else mod._specmesh_onednn_part[0]
-    y = _EXT.bf16_rows(x2, wp, owner.bias, kc)  # [M, out]
+    owner, kc, cols = r
+    y = _EXT.bf16_rows(x2, owner._specmesh_bf16rows, owner.bias, kc)  # [M, out]
     return y if cols is None else y[:, cols[0]:cols[1]]
 
 

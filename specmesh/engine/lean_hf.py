@@ -145,7 +145,7 @@ def _kernel(lay: _Layer, t: int, det: bool) -> tuple | None:
     routes = [bf16rows.route(k, t, onednn.in_prefill(), det) for k in (lay.qkv, lay.o, lay.gate_up, lay.down)]
     if any(r is None or r[2] is not None for r in routes) or len({r[1] for r in routes}) != 1:
         return None
-    return tuple(r[0] for r in routes), routes[0][1]
+    return tuple(r[0]._specmesh_bf16rows for r in routes), routes[0][1]
 
 
 def _weights(lay: _Layer, t: int, step: int) -> tuple:
