@@ -117,26 +117,30 @@ def _layer(lay: _Layer, x: torch.Tensor, cos, sin, attend, dims: tuple[int, int,
     return x + linear_forward(lay.down, lay.act(gate) * up)
 
 
-def _cpp_plan(lay: _Layer, t: int) -> list[tuple[int, int]] | None:
-    """(rows per call, row floor) of the layer's four prepacked calls (q/k/v, o, gate/up, down) as
-    this step would route them (step 0: one call), or None where the C++ halves do not apply: a
-    projection not prepacked or not stacked, a prefill past a weight's equal_rows (F.linear's), a
-    stack whose members a deterministic step would chunk apart, a non-SiLU activation, a routed norm."""
+def _cpp_plan(lay: _Layer, t: int) -> tuple[list[tuple[int, int]], tuple, int] | None:
+    """(per call (rows per call, row floor), weights, K block) of the layer's four prepacked calls
+    (q/k/v, o, gate/up, down) as this step would route them (step 0: one call): the bf16 rows
+    kernel's copies and block where all four take it (bf16rows.route), else oneDNN's (block 0,
+    unused); or None where the C++ halves do not apply: a projection not prepacked or not stacked,
+    a prefill past a weight's equal_rows (F.linear's), a stack whose members a deterministic step
+    would chunk apart, a non-SiLU activation, a routed norm."""
     kinds = (lay.qkv, lay.o, lay.gate_up, lay.down)
     if lay.qkv is None or lay.gate_up is None or not lay.silu or not (onednn.is_own(lay.o) and onednn.is_own(lay.down)):
         return None
     if getattr(lay.norm1, "_specmesh_routed", False) or getattr(lay.norm2, "_specmesh_routed", False):
         return None  # a norm a deterministic step runs in chunks (rownorm): Python's _rms routes it
     active = _ACTIVE.get()
+    found = _kernel(lay, t, bool(active))
+    if found is not None:  # every row on the rows kernel: one call each
+        return [(0, 1)] * 4, *found
+    onednn_w = tuple(k._specmesh_onednn for k in kinds)
     if not active:
         if onednn.in_prefill() and t > min(k._specmesh_onednn_equal for k in kinds):
             return None
-        return [(0, 1)] * 4
-    if _kernel(lay, t, True) is not None:  # every row on the exact rows kernel: one call each
-        return [(0, 1)] * 4
+        return [(0, 1)] * 4, onednn_w, 0
     if not (lay.qkv.same_chunks() and lay.gate_up.same_chunks()):
         return None
-    return [chunking(getattr(k, "_specmesh_rows", 0), getattr(k, "_specmesh_rows2", 0), active) for k in kinds]
+    return [chunking(getattr(k, "_specmesh_rows", 0), getattr(k, "_specmesh_rows2", 0), active) for k in kinds], onednn_w, 0
 
 
 def _kernel(lay: _Layer, t: int, det: bool) -> tuple | None:
@@ -146,16 +150,6 @@ def _kernel(lay: _Layer, t: int, det: bool) -> tuple | None:
     if any(r is None or r[2] is not None for r in routes) or len({r[1] for r in routes}) != 1:
         return None
     return tuple(r[0]._specmesh_bf16rows for r in routes), routes[0][1]
-
-
-def _weights(lay: _Layer, t: int, step: int) -> tuple:
-    """((q/k/v, o, gate/up, down) weights, K block) for the C++ halves: the bf16 rows kernel's
-    copies where all four take it (bf16rows.route), else oneDNN's (block 0, unused)."""
-    if step <= 0:
-        found = _kernel(lay, t, bool(_ACTIVE.get()))
-        if found is not None:
-            return found
-    return tuple(k._specmesh_onednn for k in (lay.qkv, lay.o, lay.gate_up, lay.down)), 0
 
 
 @torch.inference_mode()
@@ -170,9 +164,8 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, 
     for i, lay in enumerate(model._specmesh_lean_hf_layers):
         plan = _cpp_plan(lay, t) if ext is not None else None
         if plan is not None:  # the same ops in C++ (csrc/lean_layer.cpp), attention still attend's
-            (s1, f1), (so, fo), (sg, fg), (sd, fd) = plan
+            ((s1, f1), (so, fo), (sg, fg), (sd, fd)), (w1, wo, w2, wd), kc = plan
             n1, n2, st1, st2 = lay.norm1, lay.norm2, lay.qkv, lay.gate_up
-            (w1, wo, w2, wd), kc = _weights(lay, t, s1)
             q, k, v = ext.lean_pre(x, n1.weight, n1.variance_epsilon, w1, st1.bias, s1, f1, cos, sin, heads, kv_heads, d,
                                    kc)
             o = attend(lay.idx, q, k, v, lay.scale)  # [1, T, H, D]

@@ -136,7 +136,7 @@ def test_stacks_replace_the_members_copies_bitwise_and_memory_neutral():
     assert lay.qkv is not None and lay.gate_up is not None
     assert a.q_proj._specmesh_onednn is None and onednn.is_packed(a.q_proj)  # its own copy dropped
     assert onednn.packed_bytes(model) == before_bytes  # the stacks hold what the members held
-    assert lean_hf._cpp_plan(lay, 1) == [(0, 1)] * 4  # so a default step's layers take the C++ halves
+    assert lean_hf._cpp_plan(lay, 1)[0] == [(0, 1)] * 4  # so a default step's layers take the C++ halves
     whole = onednn.run(x, lay.qkv._specmesh_onednn, lay.qkv.bias)
     for (lo, hi), n in zip(lay.qkv.cols, ("q_proj", "k_proj", "v_proj")):
         assert torch.equal(whole[:, lo:hi], alone[n])
