@@ -11,6 +11,7 @@ import logging
 import time
 
 from specmesh.core.features import FeatureFeed
+from specmesh.core.ngram import match_key
 from specmesh.config import MAX_DRAFT_TOKENS
 from specmesh.core.tree import build_tree, graft_chain
 from specmesh.core.treepolicy import path_nodes
@@ -24,8 +25,10 @@ class Drafting:
     """Uses the Generation's req, method, k, local, drafts, predraft, tails, feed, feature_spec,
     control, lookup, decode_steps, seq_id, out, stats, rounds, draft_timeout_s, _guess,
     _drafted_any, _remaining and _wants_features; sets method / k / _key / _chose_zero (this
-    round's drafter, k, policy key, and whether k = 0 was chosen), _predrafted (this round's draft
-    was a pre-draft that hit) and, with tails, _table / _tail_waited (this round's tail, and
+    round's drafter, k, policy key, and whether k = 0 was chosen), _match (the local n-gram's
+    draft, looked up before k is chosen and keyed by its match's length; None: not that path),
+    _predrafted (this round's draft was a pre-draft that hit) and, with tails, _table /
+    _tail_waited (this round's tail, and
     whether the round waited for it) and _grafted (the block tree's own nodes where this round's
     tree carries an n-gram graft, else None); reads graft (the n-gram proposer for grafts)."""
 
@@ -44,9 +47,14 @@ class Drafting:
         if self.predraft is not None and self.method not in self.local:
             context = self.req.prompt_ids + self.out.token_ids
             ready, coming = self.predraft.ready(context), self.predraft.in_flight(context)
-        self._key = self._tail_key() if self._tail_mode() else self.method  # the round policy's key
-        k = self.rounds.k(self._key, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready,
-                          coming=coming)
+        found = None if self._tail_mode() else self._bucket(self.req.prompt_ids + self.out.token_ids,
+                                                            max(self.rounds.k_max, self.k))
+        self._key, self._match = found or (self._tail_key() if self._tail_mode() else self.method, None)  # policy key
+        if self._match == []:  # the local n-gram found no earlier copy of the suffix: nothing to draft
+            k = 0
+        else:
+            k = self.rounds.k(self._key, self.k, self.req.max_tokens - len(self.out.token_ids) - 1, ready=ready,
+                              coming=coming, paced=self.method not in self.local)
         if k and self.method not in self.local and not self._tier_up():
             k = 0  # no draft worker to ask now: a round of the target alone (a burst), no Propose to fail
             self.stats.tier_down_rounds += 1
@@ -54,6 +62,16 @@ class Drafting:
         self.stats.chosen_k[drafted] = self.stats.chosen_k.get(drafted, 0) + 1
         self._chose_zero = k == 0
         return k
+
+    def _bucket(self, context: list[int], k: int) -> tuple[str, list[int]] | None:
+        """(round policy key, draft) of the local n-gram's lookup under goodput k: the drafter at its
+        match's length (ngram.match_key: a long match drafts long, session 41; no match: the
+        drafter, no draft); None where that does not apply (another drafter, fixed k, a tree)."""
+        matcher = getattr(self.local.get(self.method), "match", None)
+        if matcher is None or self.req.k_max <= 0 or self.req.tree_budget > 0:
+            return None
+        n, toks = matcher(context, k)
+        return (match_key(self.method, n) if n else self.method), toks
 
     def _burst(self, draft, k: int) -> tuple[int, NgramBurst | None]:
         """(target steps this round asks for in one Verify call, the target's prompt lookup for
@@ -73,6 +91,10 @@ class Drafting:
             return 1, None
         left = max(1, self.req.max_tokens - len(self.out.token_ids))
         if self.lookup is not None and self.method == "ngram" and self.method in self.local:
+            by_match = self.rounds.by_match(self.method, left - 1) if self._match is not None else ()
+            if by_match:  # each later step drafts as its own match's length pays
+                return self.decode_steps, NgramBurst(max(b.k for b in by_match), *self.lookup, max_tokens=left,
+                                                     by_match=by_match)
             return self.decode_steps, NgramBurst(self.rounds.in_force(self.method, k), *self.lookup, max_tokens=left,
                                                  rates=self.rounds.rates(self.method))
         predrafting = (self.predraft is not None and self.method not in self.local and self.req.tree_budget <= 0
@@ -99,7 +121,8 @@ class Drafting:
         t0 = time.monotonic()
         if self.method in self.local:  # no hop: drafted where the context is
             try:
-                return DraftProposal(list(self.local[self.method](context, k))[:k], None)
+                toks = self._match if self._match is not None else self.local[self.method](context, k)
+                return DraftProposal(list(toks)[:k], None)
             finally:
                 self.stats.draft_time_s += time.monotonic() - t0
         self._drafted_any = True

@@ -122,6 +122,7 @@ class Generation(Drafting):
         self.method, self.k = self._settings()
         self.ttft_s: float | None = None
         self._chose_zero = False  # this round's k = 0 was the round policy's choice
+        self._match: list[int] | None = None  # this round's local n-gram draft by match length (_match_key)
 
     def _remaining(self) -> float:
         if self.req.deadline is None:
@@ -211,8 +212,10 @@ class Generation(Drafting):
         depth = None if draft.parents is None else max(DraftTree(draft.token_ids, draft.parents, []).depths(), default=0)
         for i, (drafted, accepted) in enumerate(steps):
             self.stats.record(drafted, accepted, accepted + 1, positions=depth if i == 0 else None)
-            if i and drafted:
-                self.rounds.learn(self.method, DraftProposal([0] * drafted), accepted, None)
+            if i and drafted:  # the target's lookup, keyed by its match (the same lookup here, same tokens)
+                ahead = outcome.tokens[:sum(a + 1 for _, a in steps[:i])]
+                found = self._match is not None and self._bucket(self.req.prompt_ids + self.out.token_ids + ahead, 0)
+                self.rounds.learn(found[0] if found else self.method, DraftProposal([0] * drafted), accepted, None)
         return steps
 
     # ------------------------------------------------------------------ target failover

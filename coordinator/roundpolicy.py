@@ -7,11 +7,12 @@ from __future__ import annotations
 
 from specmesh.config import AUTOREGRESSIVE_DRAFTERS
 from specmesh.core.costmodel import VerifyCost
-from specmesh.core.goodput import KPolicy, RateBook, expected_tokens, shared_cycle_s, skip_beats_drafting
+from specmesh.core.goodput import KPolicy, RateBook, best_k, expected_tokens, shared_cycle_s, skip_beats_drafting
+from specmesh.core.ngram import MATCH_BUCKETS, match_key
 from specmesh.core.pace import PROBE_ROUNDS
 from specmesh.core.treepolicy import TreePolicy, emitted_by_budget, path_nodes
 from specmesh.core.trim import cumulative
-from specmesh.core.types import DraftProposal
+from specmesh.core.types import DraftProposal, MatchBucket
 
 
 FRESH_MARGIN = 0.02  # a fresh table's predicted goodput must beat the tail's by this share
@@ -35,21 +36,27 @@ class RoundPolicy:
         self.draft_s: dict[str, float] = {}
         self._probing = 0  # drafting rounds left in a probe of a losing drafter (core/pace.py)
         self._drafted_last = False  # whether this request's last round drafted
+        self._bucket_rounds = 0  # rounds under an n-gram match bucket's key (_bucket_probe)
 
-    def k(self, method: str, fixed_k: int, limit: int, ready: int = 0, coming: bool = False) -> int:
+    def k(self, method: str, fixed_k: int, limit: int, ready: int = 0, coming: bool = False,
+          paced: bool = True) -> int:
         """This round's k for `method` (fixed_k when goodput does not apply), at most `limit`.
         For a tree: fixed_k (its depth cap) when the tree runs this round, 0 when it does not.
         ready: draft tokens already drafted for this round (a pre-draft hit): they cost no wait.
         coming: a pre-draft that may still hit is in flight (a round that drafts waits for it).
         Under goodput, a k > 0 then passes the measured pace (core/pace.py): 0 where drafting
-        emits slower than the target alone (a chain: at this request's expected tokens a round)."""
+        emits slower than the target alone (a chain: at this request's expected tokens a round).
+        paced false: no gate, for a drafter run where the context is (the local n-gram: no hop, no
+        draft tier), whose cost the target's forward, which goodput prices, is all of. (Gated, the
+        local n-gram's rounds, each a burst of decode_steps steps, were priced at their first
+        step's tokens: 78-89% of rounds at k = 0 at concurrency 1, session 41.)"""
         policy = self._policy(method)
         self.nodes = self.tree_budget
         if policy is None:
             return max(0, min(fixed_k, limit))
         k = self._goodput_k(policy, method, fixed_k, limit, ready, coming)
-        if not k:
-            return 0
+        if not k or not paced:
+            return k
         expected = expected_tokens(policy.rates, k) if isinstance(policy, KPolicy) else None
         return self._paced(method.split("~", 1)[0], k, expected)  # a tail's key: its drafter's pace
 
@@ -109,7 +116,7 @@ class RoundPolicy:
             # the wait costs this sequence its share of the forwards, not everyone's (shared_cycle_s)
             return policy.choose(lambda q: shared_cycle_s(lambda r: self.cost.estimate(r, r / q), batch, q, wait(q)),
                                  limit=limit)
-        k = policy.choose(seconds, limit=limit, others=tokens)
+        k = policy.choose(seconds, limit=limit, others=tokens, probe=self._bucket_probe(method, policy))
         if self.overlap and per_token and ready == 0 and not coming and draft_s > 0:
             fit = self.predraft_tokens(method, 1)  # what the draft tier drafts during a plain step
             if fit and skip_beats_drafting(policy.rates, lambda q: self.cost.estimate(rows + q, batch), k, draft_s,
@@ -171,6 +178,27 @@ class RoundPolicy:
         costs one step's row, not every step's. k itself where goodput does not choose k."""
         policy = self._policy(method)
         return min(k, policy.k) if isinstance(policy, KPolicy) and policy.k >= 0 else k
+
+    def _bucket_probe(self, key: str, policy) -> bool | None:
+        """A match bucket's round probes on the request's count of such rounds, every probe_every-th
+        (split over five buckets, each bucket's own count seldom got there); None: the policy's."""
+        if "~m" not in key or not isinstance(policy, KPolicy):
+            return None
+        self._bucket_rounds += 1
+        return bool(policy.probe_every) and self._bucket_rounds % policy.probe_every == 0
+
+    def by_match(self, method: str, limit: int) -> tuple[MatchBucket, ...]:
+        """What a burst's later steps draft by their lookup's match length (the local n-gram, no pace
+        gate: see k): per match bucket the k goodput chooses now at the bucket's rates (no probe,
+        no hysteresis: each step's match is its own); () where goodput does not choose k."""
+        policies = [self._policy(match_key(method, bucket)) for bucket in MATCH_BUCKETS]
+        if not all(isinstance(p, KPolicy) for p in policies):
+            return ()
+        cap = max(0, min(limit, self.k_max))
+        seconds = [0.0] + [self._forward_s(q) for q in range(1, cap + 2)]  # priced once for every bucket
+        others = self._beside()[1]
+        return tuple(MatchBucket(bucket, best_k(p.rates, seconds.__getitem__, cap, others)[0], tuple(p.rates))
+                     for bucket, p in zip(MATCH_BUCKETS, policies))
 
     def accept(self, method: str, n: int) -> list[float] | None:
         """p_1..p_n of a chain of n drafts from this request's a_j: what the target trims a draft

@@ -18,7 +18,7 @@ from coordinator.loop import Generation
 from specmesh.core.canary import CONTROL, Canary
 from specmesh.core.goodput import RateBook
 from specmesh.core.pace import PaceBook
-from specmesh.core.ngram import propose_ngram
+from specmesh.core.ngram import NgramLookup, propose_ngram
 from specmesh.core.types import FeatureSpec, GenerationRequest
 from specmesh.config import ConfigError, MeshConfig
 from specmesh.engine.loader import resolve_model_dir
@@ -66,8 +66,7 @@ class CoordinatorServicer(pb_grpc.CoordinatorServicer):
         self.predraft_pool = (ThreadPoolExecutor(c.max_workers, thread_name_prefix="predraft")
                               if c.overlap_drafting or c.block_tables else None)
         ng = cfg.draft_worker.ngram  # n-gram drafts here, next to the context: no Propose hop
-        self.local_drafters = ({"ngram": lambda context, k: propose_ngram(context, k, ng.min_n, ng.max_n)}
-                               if cfg.coordinator.local_ngram else {})
+        self.local_drafters = {"ngram": NgramLookup(ng.min_n, ng.max_n)} if cfg.coordinator.local_ngram else {}
         self.lookup = (ng.min_n, ng.max_n) if cfg.coordinator.local_ngram and cfg.coordinator.ngram_bursts else None
         g = cfg.coordinator.ngram_graft  # block trees carry an n-gram draft on a match of >= g tokens
         self.graft = (lambda context, k: propose_ngram(context, k, g, max(g, ng.max_n))) if g else None

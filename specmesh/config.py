@@ -239,7 +239,7 @@ class CoordinatorConfig:
 @dataclass(frozen=True)
 class NgramConfig:
     min_n: int = 1
-    max_n: int = 4
+    max_n: int = 8
 
     def validate(self, key: str) -> None:
         _check(1 <= self.min_n <= self.max_n, key, "needs 1 <= min_n <= max_n")

@@ -31,6 +31,8 @@ from specmesh.engine.pool import new_pool
 from specmesh.errors import FailedPrecondition, InvalidArgument, NotFound, Unavailable
 from target_worker.steps import ModelThread, PrefillJob, Sequence, VerifyJob
 
+MAX_MATCH_BUCKETS = 16  # NgramBurst.by_match entries one Verify may carry
+
 log = logging.getLogger(__name__)
 
 
@@ -281,3 +283,8 @@ def _check_ngram(spec: NgramBurst | None) -> None:
             and spec.max_tokens >= 1):
         raise InvalidArgument("ngram_burst", f"k 0..{MAX_DRAFT_TOKENS}, 1 <= min_n <= max_n <= {MAX_DRAFT_TOKENS}, "
                               "max_tokens >= 1")
+    mins = [b.min_match for b in spec.by_match]
+    if (len(mins) > MAX_MATCH_BUCKETS or any(m < 1 for m in mins) or mins != sorted(set(mins))
+            or any(not 0 <= b.k <= MAX_DRAFT_TOKENS for b in spec.by_match)):
+        raise InvalidArgument("ngram_burst.by_match", f"at most {MAX_MATCH_BUCKETS} entries, min_match >= 1 and "
+                              f"ascending, k 0..{MAX_DRAFT_TOKENS}")

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specmesh.core.costmodel import ROWS as COST_ROWS
-from specmesh.core.ngram import propose_ngram
+from specmesh.core.ngram import lookup_ngram
 from specmesh.core.rejection import verify as verify_round
 from specmesh.core.tree import tree_layout, verify_tree
 from specmesh.core.trim import cumulative, keep_counts
@@ -208,16 +208,19 @@ class ModelThread:
 
     def _next_draft(self, job: VerifyJob, emitted: int) -> DraftProposal:
         """A burst's next step's draft: with job.ngram, up to k tokens by prompt lookup over the
-        sequence's tokens, within the burst's max_tokens and the context window; else none. A
-        draft the pool has no room for is dropped."""
+        sequence's tokens (k and rates by the match's length where by_match is set), within the
+        burst's max_tokens and the context window; else none. A draft the pool has no room for is
+        dropped."""
         spec, seq = job.ngram, job.seq
         if spec is None or spec.k <= 0:
             return NO_DRAFT
-        k = min(spec.k, spec.max_tokens - emitted - 1, self.context_window - seq.kv.length - 2)
-        toks = propose_ngram(seq.tokens, k, spec.min_n, spec.max_n) if k > 0 else []
+        cap = min(spec.k, spec.max_tokens - emitted - 1, self.context_window - seq.kv.length - 2)
+        n, toks = lookup_ngram(seq.tokens, cap, spec.min_n, spec.max_n) if cap > 0 else (0, [])
+        k, rates = spec.for_match(n)
+        toks = toks[:k]
         if not toks or not self._room_for(seq, 1 + len(toks)):
             return NO_DRAFT
-        return DraftProposal(toks, accept=cumulative(spec.rates, len(toks)) if spec.rates else None)
+        return DraftProposal(toks, accept=cumulative(rates, len(toks)) if rates else None)
 
     @staticmethod
     def _room_for(seq: Sequence, rows: int) -> bool:

@@ -15,6 +15,10 @@ policies:
              of a k_max-token lookup): no k rule can do better with this proposer
     fixed    k = --k every round (no rule at all)
 
+It also reports a_j (the rate at which draft position j is accepted once j - 1 was) by the length
+of the match a lookup drafts from (core/ngram.py MATCH_BUCKETS): the round policy's per-bucket
+seeds (core/goodput.py SEEDS) come from such a run.
+
 Output per category: tokens per round and speed over AR (each AR token costs one 1-position
 forward), i.e. the forward time alone: hops, sampling and prefill come on top, for AR and
 speculation alike. A category whose oracle is below a target ratio cannot reach it with prompt
@@ -31,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from specmesh.core.costmodel import monotone
-from specmesh.core.ngram import propose_ngram
+from specmesh.core.ngram import MATCH_BUCKETS, lookup_ngram, match_bucket, propose_ngram
 
 
 def forward_cost(micro: dict, mode: str = "batch_invariant"):
@@ -81,6 +85,36 @@ def ceiling(samples: list[dict], cost, k_max: int, min_n: int, max_n: int, fixed
                   for p, (t, r, ms) in by.items()} for cat, by in sums.items()}
 
 
+def match_rates(samples: list[dict], k_max: int, min_n: int, max_n: int) -> dict[int, dict]:
+    """Per match bucket: the continuation positions whose lookup matched that long, and a_1..a_k_max
+    over them (every position after the prefill's token, each a fresh lookup of k_max tokens)."""
+    tried = {b: np.zeros(k_max) for b in MATCH_BUCKETS}
+    hit = {b: np.zeros(k_max) for b in MATCH_BUCKETS}
+    count = dict.fromkeys(MATCH_BUCKETS, 0)
+    for s in samples:
+        cont = s["output_ids"]
+        for t in range(1, len(cont)):
+            n, draft = lookup_ngram(s["prompt_ids"] + cont[:t], k_max, min_n, max_n)
+            if not n:
+                continue
+            b = match_bucket(n)
+            count[b] += 1
+            for j, tok in enumerate(draft[:len(cont) - t]):
+                tried[b][j] += 1
+                if tok != cont[t + j]:
+                    break
+                hit[b][j] += 1
+    return {b: {"positions": count[b],
+                "rates": [round(float(h / n), 3) if n else None for h, n in zip(hit[b], tried[b])]}
+            for b in MATCH_BUCKETS}
+
+
+def bucket_label(b: int) -> str:
+    """1, 2, 3, 4-7, 8+: the match lengths a bucket holds."""
+    later = [x for x in MATCH_BUCKETS if x > b]
+    return f"{b}+" if not later else str(b) if later[0] == b + 1 else f"{b}-{later[0] - 1}"
+
+
 def greedy_samples(cfg, dataset: str, limit: int | None, max_tokens: int, threads: int) -> list[dict]:
     """The target's greedy continuation of every prompt (HF `generate`, tokenized as the gateway)."""
     import torch
@@ -124,6 +158,11 @@ def markdown(doc: dict) -> str:
     for cat, by in sorted(doc["ceiling"].items(), key=lambda kv: (kv[0] == "all", kv[0])):
         lines.append(f"| {cat} | " + " | ".join(f"{by[p]['tokens_per_round']:.2f} | {by[p]['speedup_vs_ar']:.2f}x"
                                                 for p in policies) + " |")
+    lines += ["", f"a_j by the match's length (min_n {doc['min_n']}, max_n {doc['max_n']}; positions with a match):",
+              "", "| match | positions | a_1 .. a_k |", "| --- | --- | --- |"]
+    for b, m in doc.get("match_rates", {}).items():
+        rates = " ".join("-" if x is None else f"{x:.2f}" for x in m["rates"])
+        lines.append(f"| {bucket_label(int(b))} | {m['positions']} | {rates} |")
     return "\n".join(lines) + "\n"
 
 
@@ -154,7 +193,8 @@ def main(argv: list[str] | None = None) -> int:
            "max_tokens": args.max_tokens,
            "k_max": args.k_max, "min_n": ng.min_n, "max_n": ng.max_n, "machine": machine_info(),
            "forward_ms": {q: cost(q) for q in range(1, args.k_max + 2)},
-           "ceiling": ceiling(samples, cost, args.k_max, ng.min_n, ng.max_n, args.k)}
+           "ceiling": ceiling(samples, cost, args.k_max, ng.min_n, ng.max_n, args.k),
+           "match_rates": match_rates(samples, args.k_max, ng.min_n, ng.max_n)}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(doc, indent=2) + "\n")

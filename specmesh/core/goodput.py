@@ -40,6 +40,7 @@ import threading
 from dataclasses import dataclass, field
 from typing import Callable
 
+from specmesh.core.ngram import match_key
 from specmesh.core.pace import PaceBook
 
 # a drafter's a_j before anything is measured: MT-Bench's n-gram rates, conditional (docs/bench)
@@ -49,6 +50,15 @@ DEFAULT_SEED = (0.3, 0.5, 0.8, 0.8, 0.8, 0.8, 0.8, 0.8)
 # its first rounds draft and measure; a draft model that does not fit is pulled down by the
 # per-request EMA within a few rounds (each round measures at least its first position)
 SEEDS = {"draft_model": (0.8,) * 8}
+# the local n-gram's a_j by the length of the match its draft follows (core/ngram.py's buckets: 1,
+# 2, 3, 4-7, 8+ tokens), measured offline on greedy SmolLM2-135M over 40 ShareGPT prompts x 64
+# tokens (docs/bench/round_policy.md#session-41): a long match is a copy the target goes on with
+SEEDS.update({match_key("ngram", n): rates for n, rates in (
+    (1, (0.21, 0.51, 0.58, 0.67, 0.73, 0.75, 0.75, 0.75)),
+    (2, (0.47, 0.59, 0.68, 0.69, 0.75, 0.75, 0.75, 0.75)),
+    (3, (0.57, 0.69, 0.70, 0.80, 0.80, 0.80, 0.80, 0.80)),
+    (4, (0.73, 0.76, 0.80, 0.82, 0.84, 0.85, 0.85, 0.85)),
+    (8, (0.89, 0.91, 0.91, 0.91, 0.88, 0.88, 0.88, 0.88)))})
 # tokens a whole draft-tree round emits before anything is measured (the block drafter's 8-16 node
 # trees accept 1.6-1.8 per round on MT-Bench, docs/bench/drafters.md); a little below, so trees
 # must earn it
@@ -111,8 +121,11 @@ class KPolicy:
         self.rates = [min(1.0, max(0.0, x)) for x in self.seed[: self.k_max]]
         self.rates += [0.0] * (self.k_max - len(self.rates))
 
-    def choose(self, cost: Callable[[int], float], limit: int | None = None, others: float = 0.0) -> int:
-        """This round's k (<= limit, e.g. the tokens left minus one); cost and others as best_k's."""
+    def choose(self, cost: Callable[[int], float], limit: int | None = None, others: float = 0.0,
+               probe: bool | None = None) -> int:
+        """This round's k (<= limit, e.g. the tokens left minus one); cost and others as best_k's.
+        probe: whether this round probes one position further (None: every probe_every-th of this
+        policy's rounds; a caller whose rounds spread over several policies keeps the count)."""
         cap = self.k_max if limit is None else max(0, min(self.k_max, limit))
         new, new_rate = best_k(self.rates, cost, cap, others)
         if self.k < 0 or self.k > cap:
@@ -123,7 +136,9 @@ class KPolicy:
                 self.k = new
         k = self.k
         self.rounds += 1
-        if self.probe_every and self.rounds % self.probe_every == 0 and k < cap:
+        if probe is None:
+            probe = bool(self.probe_every) and self.rounds % self.probe_every == 0
+        if probe and k < cap:
             k += 1  # probe one position further so its rate keeps being measured
         self.history[k] = self.history.get(k, 0) + 1
         return k

@@ -86,6 +86,16 @@ class VerifyOutcome:
 
 
 @dataclass(frozen=True)
+class MatchBucket:
+    """A burst step's draft after a match of at least min_match tokens (NgramBurst.by_match): up to k
+    tokens, their a_j rates (empty: never trimmed)."""
+
+    min_match: int
+    k: int
+    rates: tuple[float, ...] = ()
+
+
+@dataclass(frozen=True)
 class NgramBurst:
     """A burst's prompt lookup in the target (VerifyRequest.ngram_burst): after its first step, each
     step drafts up to k tokens that followed the latest earlier copy of the sequence's last
@@ -98,6 +108,16 @@ class NgramBurst:
     # a_j: the rate at which a step's draft position j is accepted once j - 1 was (the round
     # policy's, the steps' p_i from them); empty: the target never trims the steps' drafts
     rates: tuple[float, ...] = ()
+    # by the match's length, ascending min_match: a step whose lookup matched n tokens drafts as
+    # the last bucket with min_match <= n says (none: no draft); empty: k and rates for every match
+    by_match: tuple[MatchBucket, ...] = ()
+
+    def for_match(self, n: int) -> tuple[int, tuple[float, ...]]:
+        """(k, rates) of a step whose lookup matched n tokens (capped at k)."""
+        if not self.by_match:
+            return self.k, self.rates
+        fit = [b for b in self.by_match if b.min_match <= n]
+        return (min(self.k, fit[-1].k), fit[-1].rates) if fit else (0, ())
 
 
 @dataclass(frozen=True)

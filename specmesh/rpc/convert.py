@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from specmesh.core.types import DraftProposal, FeatureSpec, NgramBurst, SamplingParams, SpecStats
+from specmesh.core.types import DraftProposal, FeatureSpec, MatchBucket, NgramBurst, SamplingParams, SpecStats
 from specmesh.errors import InvalidArgument
 from specmesh.v1 import specmesh_pb2 as pb
 
@@ -240,7 +240,9 @@ def cost_from_pb(msg: pb.VerifyCostTable) -> dict | None:
 def ngram_burst_to_pb(spec: NgramBurst | None) -> pb.NgramBurst | None:
     if spec is None:
         return None
-    return pb.NgramBurst(k=spec.k, min_n=spec.min_n, max_n=spec.max_n, max_tokens=spec.max_tokens, rates=spec.rates)
+    return pb.NgramBurst(k=spec.k, min_n=spec.min_n, max_n=spec.max_n, max_tokens=spec.max_tokens, rates=spec.rates,
+                         by_match=[pb.NgramMatchBucket(min_match=b.min_match, k=b.k, rates=b.rates)
+                                   for b in spec.by_match])
 
 
 def ngram_burst_from_pb(request) -> NgramBurst | None:
@@ -248,7 +250,10 @@ def ngram_burst_from_pb(request) -> NgramBurst | None:
     if not request.HasField("ngram_burst"):
         return None
     m = request.ngram_burst
-    return NgramBurst(m.k, m.min_n, m.max_n, m.max_tokens, tuple(checked_rates(m.rates, "ngram_burst.rates")))
+    by_match = tuple(MatchBucket(b.min_match, b.k, tuple(checked_rates(b.rates, "ngram_burst.by_match.rates")))
+                     for b in m.by_match)
+    return NgramBurst(m.k, m.min_n, m.max_n, m.max_tokens, tuple(checked_rates(m.rates, "ngram_burst.rates")),
+                      by_match)
 
 
 def burst_steps_from_pb(resp) -> list[tuple[int, int]] | None:

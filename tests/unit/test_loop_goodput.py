@@ -245,7 +245,7 @@ class LookupTarget(CostedBurstTarget):
         self.lookups: list = []
 
     def verify(self, seq_id, draft, timeout, steps=1, ngram=None):
-        from specmesh.core.ngram import propose_ngram
+        from specmesh.core.ngram import lookup_ngram
 
         self.steps.append((len(draft.token_ids), steps))
         self.lookups.append(ngram)
@@ -253,9 +253,10 @@ class LookupTarget(CostedBurstTarget):
         done = [(len(draft.token_ids), out.accepted)]
         while len(done) < steps and (ngram is None or len(out.tokens) < ngram.max_tokens):
             context = PROMPT + SCRIPT[:self.emitted[seq_id]]
-            k = 0 if ngram is None else min(ngram.k, ngram.max_tokens - len(out.tokens) - 1)
-            more = CostedTarget.verify(self, seq_id, DraftProposal(
-                propose_ngram(context, k, ngram.min_n, ngram.max_n) if k > 0 else []), timeout)
+            cap = 0 if ngram is None else min(ngram.k, ngram.max_tokens - len(out.tokens) - 1)
+            n, toks = lookup_ngram(context, cap, ngram.min_n, ngram.max_n) if cap > 0 else (0, [])
+            more = CostedTarget.verify(self, seq_id, DraftProposal(toks[:ngram.for_match(n)[0]] if toks else []),
+                                       timeout)
             done.append((len(self.verifies[-1][1]), more.accepted))
             out = dataclasses.replace(out, tokens=out.tokens + more.tokens)
         return dataclasses.replace(out, steps=done)
@@ -328,3 +329,37 @@ def test_a_trimmed_draft_teaches_only_its_verified_positions():
     assert gen.stats.drafted_tokens == len(sent)  # one verified draft per drafting round
     rates = book.seed("ngram", 4)
     assert rates[0] > 0.9 and rates[1] == 0.5  # position 2 never verified: its seed stands, not 0
+
+
+def test_local_ngram_rounds_choose_k_by_the_length_of_their_match():
+    """The n-gram looked up here (NgramLookup) under goodput: a round's k is goodput's at its
+    match's bucket (ngram~m1 .. ngram~m8, each its own rates), and the burst's later steps draft by
+    their own match's (NgramBurst.by_match). On a script that repeats, the matches grow long and
+    so do the drafts; the output is the target's own and the book learns per bucket."""
+    from specmesh.core.ngram import NgramLookup
+
+    target, book = LookupTarget({1: 1.0, 2: 1.02, 9: 1.1}), RateBook()
+    req = dataclasses.replace(request(max_tokens=120, k=4, method="ngram"), k_max=8)
+    gen = Generation(req, target, None, FakeTokenizer(), {99}, 5.0, decode_steps=4, lookup=(1, 8), rate_book=book,
+                     local_drafters={"ngram": NgramLookup(1, 8)})
+    assert [t for chunk in gen.run() for t in chunk.token_ids] == SCRIPT[:120]
+    assert "ngram~m8" in gen.rounds.policies and "ngram~m8" in book.snapshot() and "ngram" not in book.snapshot()
+    bursts = [g for g in target.lookups if g is not None]
+    assert bursts and all([b.min_match for b in g.by_match] == [1, 2, 3, 4, 8] for g in bursts)
+    assert all(g.k == max(b.k for b in g.by_match) for g in bursts)
+    assert {b.min_match: b.k for b in bursts[-1].by_match}[8] >= 6
+    assert max(len(d) for _, d, _ in target.verifies) >= 6  # long matches drafted long
+    assert gen.stats.accepted_tokens >= 60 and len(target.steps) < 119 / 4
+
+
+def test_a_round_without_a_match_asks_no_k_and_drafts_nothing():
+    """No earlier copy of the context's suffix: k = 0 without consulting the policy, and the burst
+    still carries every bucket's k for its later steps."""
+    from specmesh.core.ngram import NgramLookup
+
+    target = LookupTarget({1: 1.0, 2: 1.02, 9: 1.1})
+    req = dataclasses.replace(request(max_tokens=8, k=4, method="ngram"), k_max=8)
+    gen = Generation(dataclasses.replace(req, prompt_ids=[90, 91]), target, None, FakeTokenizer(), {99}, 5.0,
+                     decode_steps=4, lookup=(1, 8), local_drafters={"ngram": NgramLookup(1, 8)})
+    list(gen.run())
+    assert target.steps[0][0] == 0 and gen.stats.chosen_k.get(0, 0) >= 1 and not gen.rounds.policies.get("ngram")

@@ -68,7 +68,7 @@ def test_invalid_args(k, min_n, max_n):
 
 def test_config_defaults_and_validation():
     cfg = NgramConfig()
-    assert (cfg.min_n, cfg.max_n, cfg.num_speculative_tokens) == (1, 4, 4)
+    assert (cfg.min_n, cfg.max_n, cfg.num_speculative_tokens) == (1, 8, 4)
     with pytest.raises(ValueError):
         NgramConfig(min_n=3, max_n=2)
     with pytest.raises(ValueError):
@@ -97,3 +97,26 @@ def test_long_context_is_fast():
         got = propose_ngram(context, k=4, min_n=1, max_n=4)
     assert got == context[104:108]
     assert time.perf_counter() - start < 1.0
+
+
+def test_lookup_tells_the_length_of_the_match_it_drafts_from():
+    """lookup_ngram's n is the longest suffix (min_n..max_n) with an earlier copy, its tokens are
+    propose_ngram's; k = 0 still measures the match."""
+    from specmesh.core.ngram import NgramLookup, lookup_ngram, match_bucket, match_key
+
+    rng = random.Random(7)
+    for _ in range(300):
+        context = [rng.randrange(4) for _ in range(rng.randrange(1, 30))]
+        k, min_n = rng.randrange(0, 5), rng.randrange(1, 3)
+        max_n = min_n + rng.randrange(0, 6)
+        n, toks = lookup_ngram(context, k, min_n, max_n)
+        assert toks == propose_ngram(context, k, min_n, max_n) == _reference(context, k, min_n, max_n)
+        longest = max((m for m in range(min_n, max_n + 1) if m < len(context) and any(
+            context[j:j + m] == context[-m:] for j in range(len(context) - m))), default=0)
+        assert n == longest
+        assert lookup_ngram(context, 0, min_n, max_n) == (n, [])
+    assert lookup_ngram([5, 6, 7, 8, 5, 6, 7], 3, 1, 8) == (3, [8, 5, 6])
+    assert NgramLookup(1, 8).match([5, 6, 7, 8, 5, 6, 7], 3) == (3, [8, 5, 6])
+    assert NgramLookup(1, 8)([5, 6, 7, 8, 5, 6, 7], 2) == [8, 5]
+    assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 30)] == [0, 1, 2, 3, 4, 4, 8, 8]
+    assert match_key("ngram", 6) == "ngram~m4"
