@@ -47,9 +47,11 @@ class Drafting:
         if self.predraft is not None and self.method not in self.local:
             context = self.req.prompt_ids + self.out.token_ids
             ready, coming = self.predraft.ready(context), self.predraft.in_flight(context)
-        found = None if self._tail_mode() else self._bucket(self.req.prompt_ids + self.out.token_ids,
-                                                            max(self.rounds.k_max, self.k))
-        self._key, self._match = found or (self._tail_key() if self._tail_mode() else self.method, None)  # policy key
+        if self._tail_mode():  # the round policy's key, and the local n-gram's draft where it is keyed by its match
+            self._key, self._match = self._tail_key(), None
+        else:
+            context = self.req.prompt_ids + self.out.token_ids
+            self._key, self._match = self._bucket(context, max(self.rounds.k_max, self.k)) or (self.method, None)
         if self._match == []:  # the local n-gram found no earlier copy of the suffix: nothing to draft
             k = 0
         else:

@@ -122,7 +122,7 @@ class Generation(Drafting):
         self.method, self.k = self._settings()
         self.ttft_s: float | None = None
         self._chose_zero = False  # this round's k = 0 was the round policy's choice
-        self._match: list[int] | None = None  # this round's local n-gram draft by match length (_match_key)
+        self._match: list[int] | None = None  # this round's local n-gram draft by match length (Drafting._bucket)
 
     def _remaining(self) -> float:
         if self.req.deadline is None:

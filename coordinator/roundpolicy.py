@@ -8,7 +8,7 @@ from __future__ import annotations
 from specmesh.config import AUTOREGRESSIVE_DRAFTERS
 from specmesh.core.costmodel import VerifyCost
 from specmesh.core.goodput import KPolicy, RateBook, best_k, expected_tokens, shared_cycle_s, skip_beats_drafting
-from specmesh.core.ngram import MATCH_BUCKETS, match_key
+from specmesh.core.ngram import MATCH_BUCKETS, is_match_key, match_key
 from specmesh.core.pace import PROBE_ROUNDS
 from specmesh.core.treepolicy import TreePolicy, emitted_by_budget, path_nodes
 from specmesh.core.trim import cumulative
@@ -182,7 +182,7 @@ class RoundPolicy:
     def _bucket_probe(self, key: str, policy) -> bool | None:
         """A match bucket's round probes on the request's count of such rounds, every probe_every-th
         (split over five buckets, each bucket's own count seldom got there); None: the policy's."""
-        if "~m" not in key or not isinstance(policy, KPolicy):
+        if not is_match_key(key) or not isinstance(policy, KPolicy):
             return None
         self._bucket_rounds += 1
         return bool(policy.probe_every) and self._bucket_rounds % policy.probe_every == 0

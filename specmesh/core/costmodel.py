@@ -189,12 +189,13 @@ class VerifyCost:
         extra = max(0.0, rows - batch)
         if not extra:
             return plain
+        floor = max(0.0, self._rows_fit(rows) - self._rows_fit(batch))
+        if not self._slope:
+            return plain + floor
+        sloped = extra * _interp(sorted(self._slope.items()), batch) * math.exp(self._drift)
         xs = self._fit[0]
-        known = len(xs) >= 2 and rows <= xs[-1]  # within the rows the table measured
-        floor = max(0.0, self._rows_fit(rows) - self._rows_fit(batch)) if known or not self._slope else 0.0
-        if self._slope:
-            return plain + max(floor, extra * _interp(sorted(self._slope.items()), batch) * math.exp(self._drift))
-        return plain + floor
+        known = len(xs) >= 2 and rows <= xs[-1]  # the floor only within the rows the table measured
+        return plain + (max(floor, sloped) if known else sloped)
 
     def _estimate_rows(self, rows: float) -> float:
         with self._lock:

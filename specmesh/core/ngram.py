@@ -82,6 +82,11 @@ def match_key(method: str, n: int) -> str:
     return f"{method}~m{match_bucket(n)}"
 
 
+def is_match_key(key: str) -> bool:
+    """Whether a round policy key is match_key's (a drafter's key at a match bucket)."""
+    return key.rpartition("~m")[2].isdigit()
+
+
 @dataclass(frozen=True)
 class NgramLookup:
     """The n-gram proposer at fixed sizes: called as propose(context, k) -> tokens; match(context,

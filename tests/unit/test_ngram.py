@@ -102,7 +102,7 @@ def test_long_context_is_fast():
 def test_lookup_tells_the_length_of_the_match_it_drafts_from():
     """lookup_ngram's n is the longest suffix (min_n..max_n) with an earlier copy, its tokens are
     propose_ngram's; k = 0 still measures the match."""
-    from specmesh.core.ngram import NgramLookup, lookup_ngram, match_bucket, match_key
+    from specmesh.core.ngram import NgramLookup, is_match_key, lookup_ngram, match_bucket, match_key
 
     rng = random.Random(7)
     for _ in range(300):
@@ -120,3 +120,4 @@ def test_lookup_tells_the_length_of_the_match_it_drafts_from():
     assert NgramLookup(1, 8)([5, 6, 7, 8, 5, 6, 7], 2) == [8, 5]
     assert [match_bucket(n) for n in (0, 1, 2, 3, 4, 7, 8, 30)] == [0, 1, 2, 3, 4, 4, 8, 8]
     assert match_key("ngram", 6) == "ngram~m4"
+    assert is_match_key("ngram~m4") and not is_match_key("block~1") and not is_match_key("ngram")
