@@ -55,6 +55,10 @@ def add_arguments(p: argparse.ArgumentParser) -> argparse.ArgumentParser:
                    help="run the in-process HF peers first, free them, then start the mesh (models too big "
                         "for peers and mesh in memory at once; the peers then miss the ABBA drift ordering)")
     p.add_argument("--warmup", type=int, default=1, help="unrecorded warm-up requests per mode")
+    p.add_argument("--passes", type=int, default=1,
+                   help="run each level's mesh modes N times (each pass ABBA over both prompt blocks); the "
+                        "tables pool every pass, a Passes section gives each pass's speed-up vs AR and their "
+                        "range (this machine's drift within one run); the HF peers run in the first pass only")
     p.add_argument("--threads", type=int, default=0, help="torch threads for the local stack, the peers and "
                                                           "--micro (0: the config's runtime.torch_threads; on a "
                                                           "small shared machine 1 avoids oversubscription)")

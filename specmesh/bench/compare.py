@@ -72,11 +72,18 @@ def _key(run: dict) -> float:
 
 
 def add_speedups(runs: list[dict]) -> None:
-    ar = {_key(r): r["output_tokens_per_s"] for r in runs if r["mode"] == "ar"}
+    """speedup_vs_ar per run; with several passes (--passes), each mesh spec run's per pass too:
+    its pass's tokens/s over AR's in the same pass (speedup_passes)."""
+    ar = {_key(r): r for r in runs if r["mode"] == "ar"}
     for r in runs:
-        r["speedup_vs_ar"] = speedup(r["output_tokens_per_s"], ar.get(_key(r))) if r["mode"] != "ar" else 1.0
+        base = ar.get(_key(r))
+        r["speedup_vs_ar"] = speedup(r["output_tokens_per_s"], base and base["output_tokens_per_s"]) \
+            if r["mode"] != "ar" else 1.0
         if r["mode"] == "ar" and not r["output_tokens_per_s"]:
             r["speedup_vs_ar"] = None
+        own, theirs = r.get("pass_tokens_per_s") or [], (base or {}).get("pass_tokens_per_s") or []
+        if r["mode"] == "spec" and len(own) > 1 and len(theirs) == len(own):
+            r["speedup_passes"] = [speedup(a, b) for a, b in zip(own, theirs)]
 
 
 def _tokens_per_s_by_category(run: dict) -> dict[str, float]:

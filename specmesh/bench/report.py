@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import numbers
+import statistics
 from pathlib import Path
 
 from specmesh.bench import pricing
@@ -130,6 +131,21 @@ def acceptance_section(doc: dict) -> list[str]:
     return (["", "### Acceptance"] + lines) if lines else []
 
 
+def passes_section(doc: dict) -> list[str]:
+    """Each spec run's speed-up vs AR per pass (--passes): the pooled table's ratio and the spread
+    this machine showed within the same run."""
+    lines = []
+    for r in doc["runs"]:
+        got = [x for x in r.get("speedup_passes") or [] if x is not None]
+        if len(got) < 2:
+            continue
+        mid = statistics.median(got)
+        lines.append(f"- {_label(r)} @ {_level(r)}: " + " / ".join(f"{x:.2f}x" for x in got)
+                     + f" (median {mid:.2f}x, range {min(got):.2f}x-{max(got):.2f}x)")
+    return (["", "### Speed-up vs AR by pass (each pass ABBA over every prompt; the table pools them)"]
+            + lines) if lines else []
+
+
 def category_section(doc: dict) -> list[str]:
     per = {}
     for r in doc["runs"]:
@@ -201,7 +217,8 @@ def to_markdown(doc: dict) -> str:
     wall = f"; the whole run took {doc['wall_s'] / 60:.1f} min" if doc.get("wall_s") else ""
     lines = [title, "", f"`{doc.get('command')}`", "",
              f"{m.get('cpu')}, {m.get('cores')} cores, torch {m.get('torch')}, {m.get('date')}{setting}{wall}", ""]
-    lines += runs_table(doc) + pricing.markdown_section(doc) + acceptance_section(doc) + category_section(doc) \
+    lines += runs_table(doc) + pricing.markdown_section(doc) + passes_section(doc) + acceptance_section(doc) \
+        + category_section(doc) \
         + cost_section(doc) + summary_section(doc)
     return "\n".join(lines) + "\n"
 

@@ -10,6 +10,10 @@ Run order (machine drift): at each load level the prompts are split into two blo
 odd prompt indices). Block A runs the modes in order M1..Mn, block B in reverse Mn..M1 (ABBA),
 so a slow linear drift of the machine over a level's runs weighs on every mode alike. Every
 mode still sees every prompt exactly once per level; its wall time is the sum of its blocks'.
+With --passes N the mesh modes run that schedule N times per level, one pass after the other
+(the peers, slow and in-process, in the first only): the tables pool the passes, and each pass's
+own tokens/s gives each spec run's speed-up vs AR per pass (compare.add_speedups), so a ratio
+comes with the spread this machine showed within the same run.
 """
 
 from __future__ import annotations
@@ -73,6 +77,18 @@ class Acc:
 
     records: list[RequestRecord] = field(default_factory=list)
     wall_s: float = 0.0
+    passes: dict[int, list[float]] = field(default_factory=dict)  # pass -> [output tokens, wall seconds]
+
+    def add(self, records: list[RequestRecord], wall_s: float, pass_: int) -> None:
+        self.records += records
+        self.wall_s += wall_s
+        got = self.passes.setdefault(pass_, [0.0, 0.0])
+        got[0] += sum(r.output_len for r in records if r.ok)
+        got[1] += wall_s
+
+    def pass_rates(self) -> list[float]:
+        """Output tokens/s of each pass, in pass order."""
+        return [tokens / wall if wall > 0 else 0.0 for _, (tokens, wall) in sorted(self.passes.items())]
 
 
 def local_config(base_path: str | None, drafters: list[str], threads: int, out_dir: Path) -> Path:
@@ -133,10 +149,10 @@ def plan(args, peer_modes=PEER_MODES[:2]) -> tuple[list[Mode], list[Level]]:
     return modes, levels
 
 
-def schedule(modes: list[Mode], levels: list[Level], prompts: list[Prompt]):
-    """Yields (level, mode, [(index, prompt)]) in ABBA order per level (see the module doc).
-    Peers run once, at concurrency 1 (batch 1): with the closed-loop level 1 if there is one,
-    else in a level of their own."""
+def schedule(modes: list[Mode], levels: list[Level], prompts: list[Prompt], passes: int = 1):
+    """Yields (level, mode, [(index, prompt)], pass) in ABBA order per level and pass (see the
+    module doc). Peers run once, in the first pass, at concurrency 1 (batch 1): with the
+    closed-loop level 1 if there is one, else in a level of their own."""
     indexed = list(enumerate(prompts))
     blocks = [b for b in (indexed[0::2], indexed[1::2]) if b]
     mesh_modes = [m for m in modes if not m.is_peer]
@@ -146,9 +162,11 @@ def schedule(modes: list[Mode], levels: list[Level], prompts: list[Prompt]):
     if peers and not has_c1:
         runs.insert(0, (Level(1), peers))
     for level, level_modes in runs:
-        for b, block in enumerate(blocks):
-            for mode in (level_modes if b % 2 == 0 else list(reversed(level_modes))):
-                yield level, mode, block
+        for p in range(passes if any(not m.is_peer for m in level_modes) else 1):
+            this = level_modes if p == 0 else [m for m in level_modes if not m.is_peer]
+            for b, block in enumerate(blocks):
+                for mode in (this if b % 2 == 0 else list(reversed(this))):
+                    yield level, mode, block, p
 
 
 def request_options(args, mode: Mode, k: int) -> RequestOptions:
@@ -200,13 +218,13 @@ def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt],
     from specmesh.bench.peers import HFPeer
 
     k = args.k
-    steps = list(schedule(modes, levels, prompts))
+    steps = list(schedule(modes, levels, prompts, getattr(args, "passes", 1)))
     peer = HFPeer(cfg.model, cfg.draft_worker.ngram.max_n, args.threads, cfg.draft_worker.draft_model) \
         if any(m.is_peer for m in modes) else None
     drafters = sorted({parse_drafter(m.drafter)[0] for m in modes if m.drafter})
     results: dict = {}
     cost = None
-    with tqdm(total=sum(len(b) for _, _, b in steps), file=sys.stderr, unit="req", disable=args.no_progress,
+    with tqdm(total=sum(len(b) for _, _, b, _ in steps), file=sys.stderr, unit="req", disable=args.no_progress,
               mininterval=1.0) as bar:
         if getattr(args, "peers_apart", False) and peer is not None:  # peers first, then their memory is freed
             _run_steps(Executor(args, None, peer, k, bar), [m for m in modes if m.is_peer],
@@ -227,11 +245,9 @@ def execute(args, modes: list[Mode], levels: list[Level], prompts: list[Prompt],
 
 def _run_steps(ex: Executor, modes: list[Mode], steps: list, results: dict) -> None:
     ex.warmup(modes, steps[0][2][0][1])
-    for level, mode, block in steps:
+    for level, mode, block, pass_ in steps:
         records, wall = ex.run(level, mode, block)
-        acc = results.setdefault((mode, level), Acc())
-        acc.records += records
-        acc.wall_s += wall
+        results.setdefault((mode, level), Acc()).add(records, wall, pass_)
 
 
 def target_cost(address: str | None) -> dict | None:
@@ -267,6 +283,7 @@ def runs_from_results(results: dict) -> list[dict]:
         run = {"mode": mode.mode, "drafter": mode.drafter, "concurrency": level.concurrency,
                "request_rate": level.request_rate, "batch_1_only": mode.is_peer}
         run.update(aggregate(acc.records, acc.wall_s))
+        run["pass_tokens_per_s"] = acc.pass_rates()
         run["errors_sample"] = [r.error for r in acc.records if r.error][:3]
         run["requests"] = [request_row(r) for r in acc.records]
         run["_records"] = acc.records
@@ -282,7 +299,7 @@ def warn_underfilled(levels: list[Level], prompts: list[Prompt]) -> None:
                   "the level never has all clients busy (raise --limit)", file=sys.stderr)
 
 
-def check_plan(modes: list[Mode], levels: list[Level]) -> str | None:
+def check_plan(modes: list[Mode], levels: list[Level], passes: int = 1) -> str | None:
     """A usage error, or None."""
     from specmesh.config import DRAFTERS
 
@@ -294,6 +311,8 @@ def check_plan(modes: list[Mode], levels: list[Level]) -> str | None:
         return "--concurrency levels must be >= 1 and --request-rate values > 0"
     if not modes:
         return "nothing to run: give --drafters and/or --compare"
+    if passes < 1:
+        return "--passes must be >= 1"
     return None
 
 
@@ -328,7 +347,7 @@ def main(args) -> int:
     except ValueError as exc:
         print(f"specmesh bench: bad --concurrency / --request-rate / --peers: {exc}", file=sys.stderr)
         return 2
-    problem = check_plan(modes, levels)
+    problem = check_plan(modes, levels, getattr(args, "passes", 1))
     if problem:
         print(f"specmesh bench: {problem}", file=sys.stderr)
         return 2

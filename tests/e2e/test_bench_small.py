@@ -1,6 +1,6 @@
 """`specmesh bench` end to end: the bench starts its own mesh (four OS processes on free ports),
-runs 2 MT-Bench prompts at concurrency 1 and 2 with --compare (spec, AR, HF peers) and --price,
-and writes a result that passes the schema check. Small on purpose (16 tokens): a few minutes on 2 cores.
+runs 2 MT-Bench prompts at concurrency 1 and 2 with --compare (spec, AR, HF peers), --price and
+two passes (the mesh's modes twice, the peers once), and writes a result that passes the schema check. Small on purpose (16 tokens): a few minutes on 2 cores.
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def bench_run(tmp_path_factory, e2e):
     out = tmp / "res" / "bench.json"
     proc = e2e.run_cli("bench", "--config", str(config), "--dataset", "mt-bench", "--limit", "2",
                        "--concurrency", "1,2", "--compare", "--max-tokens", "16", "--threads", "1",
-                       "--price", "draft=0.9,target=3.5",
+                       "--price", "draft=0.9,target=3.5", "--passes", "2",
                        "--no-progress", "--log-dir", str(tmp / "logs"), "--out", str(out), timeout=900)
     logs = "\n".join(f"--- {p.name}\n{p.read_text(errors='replace')[-3000:]}" for p in (tmp / "logs").glob("*.log"))
     assert proc.returncode == 0, f"bench failed:\n{proc.stdout}\n{proc.stderr}\n{logs}"
@@ -44,8 +44,12 @@ def test_bench_writes_a_valid_result(bench_run):
     assert runs == {("spec", "ngram", 1), ("spec", "ngram", 2), ("ar", None, 1), ("ar", None, 2),
                     ("hf_generate", None, 1), ("hf_prompt_lookup", None, 1)}
     for r in doc["runs"]:
-        assert r["num_requests"] == 2 and r["num_errors"] == 0, r.get("errors_sample")
-        assert r["output_tokens_per_s"] > 0
+        passes = 1 if r["mode"].startswith("hf_") else 2  # the peers run in the first pass only
+        assert r["num_requests"] == 2 * passes and r["num_errors"] == 0, r.get("errors_sample")
+        assert r["output_tokens_per_s"] > 0 and len(r["pass_tokens_per_s"]) == passes
+        if r["mode"] == "spec":
+            assert len(r["speedup_passes"]) == 2 and all(x > 0 for x in r["speedup_passes"])
+    assert "### Speed-up vs AR by pass" in proc.stdout
     assert doc["mismatch_checked"] and doc["mismatches"] == 0, doc["mismatch_details"]
     assert doc["command"].startswith("specmesh bench")
     for suffix in (".md", "_throughput.png", "_acceptance_by_category.png", "_latency_cdf.png", "_cost.png"):

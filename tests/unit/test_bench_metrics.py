@@ -17,6 +17,8 @@ from specmesh.bench import compare, metrics, report
 from specmesh.bench.datasets import Prompt, default_cache_dir, load_dataset, load_jsonl, round_robin_by_category
 from specmesh.bench.metrics import RequestRecord
 from specmesh.bench.runner import RequestOptions, build_request
+from specmesh.bench.compare import add_speedups
+from specmesh.bench.report import passes_section
 from specmesh.bench.suite import Level, Mode, schedule
 
 
@@ -196,20 +198,62 @@ def test_schedule_is_abba_and_covers_every_prompt_once_per_level():
     modes = [Mode("spec", "ngram"), Mode("ar"), Mode("hf_generate"), Mode("hf_prompt_lookup")]
     prompts = [Prompt(f"p{i}", "x") for i in range(5)]
     steps = list(schedule(modes, [Level(1), Level(4)], prompts))
-    c1 = [m.label for lv, m, _ in steps if lv.concurrency == 1]
+    c1 = [m.label for lv, m, _, _ in steps if lv.concurrency == 1]
     assert c1 == ["spec/ngram", "ar", "hf_generate", "hf_prompt_lookup",
                   "hf_prompt_lookup", "hf_generate", "ar", "spec/ngram"]
-    c4 = [m.label for lv, m, _ in steps if lv.concurrency == 4]
+    c4 = [m.label for lv, m, _, _ in steps if lv.concurrency == 4]
     assert c4 == ["spec/ngram", "ar", "ar", "spec/ngram"]  # peers: batch 1 only
     for level in (1, 4):
         for mode in ("spec/ngram", "ar"):
-            seen = sorted(i for lv, m, b in steps if lv.concurrency == level and m.label == mode for i, _ in b)
+            seen = sorted(i for lv, m, b, _ in steps if lv.concurrency == level and m.label == mode for i, _ in b)
             assert seen == list(range(5))
 
 
 def test_peers_get_their_own_level_without_concurrency_1():
     steps = list(schedule([Mode("spec", "ngram"), Mode("hf_generate")], [Level(4)], [Prompt("a", "x")]))
-    assert [(lv.concurrency, m.label) for lv, m, _ in steps] == [(1, "hf_generate"), (4, "spec/ngram")]
+    assert [(lv.concurrency, m.label) for lv, m, _, _ in steps] == [(1, "hf_generate"), (4, "spec/ngram")]
+
+
+def test_passes_repeat_the_mesh_modes_abba_and_run_the_peers_once():
+    modes = [Mode("spec", "ngram"), Mode("ar"), Mode("hf_generate")]
+    prompts = [Prompt(f"p{i}", "x") for i in range(4)]
+    steps = list(schedule(modes, [Level(1), Level(4)], prompts, passes=3))
+    c1 = [(p, m.label) for lv, m, _, p in steps if lv.concurrency == 1]
+    assert c1[:6] == [(0, "spec/ngram"), (0, "ar"), (0, "hf_generate"), (0, "hf_generate"), (0, "ar"),
+                      (0, "spec/ngram")]
+    assert c1[6:] == [(p, m) for p in (1, 2) for m in ("spec/ngram", "ar", "ar", "spec/ngram")]
+    for level in (1, 4):
+        for p in range(3):
+            for mode in ("spec/ngram", "ar"):
+                seen = sorted(i for lv, m, b, q in steps if (lv.concurrency, m.label, q) == (level, mode, p)
+                              for i, _ in b)
+                assert seen == list(range(4))  # every pass: every prompt once
+    assert not [m for lv, m, _, _ in steps if lv.concurrency == 4 and m.is_peer]
+
+
+def test_speedup_by_pass_pairs_each_pass_with_ar_in_the_same_pass():
+    from specmesh.bench.suite import Acc
+
+    def rec(n, error=None):
+        return RequestRecord("p", token_ids=list(range(n)), latency=1.0, error=error)
+
+    spec, ar = Acc(), Acc()
+    spec.add([rec(60), rec(40)], 2.0, 0)  # 50 tok/s
+    spec.add([rec(90), rec(7, error="boom")], 3.0, 1)  # the failed request's tokens do not count: 30 tok/s
+    ar.add([rec(100)], 4.0, 0)  # 25 tok/s
+    ar.add([rec(60)], 2.0, 1)  # 30 tok/s
+    assert spec.pass_rates() == [50.0, 30.0] and ar.pass_rates() == [25.0, 30.0]
+    assert spec.wall_s == 5.0 and len(spec.records) == 4
+    runs = [{"mode": "spec", "concurrency": 4, "output_tokens_per_s": 38.0, "pass_tokens_per_s": spec.pass_rates()},
+            {"mode": "ar", "concurrency": 4, "output_tokens_per_s": 26.7, "pass_tokens_per_s": ar.pass_rates()}]
+    add_speedups(runs)
+    assert runs[0]["speedup_passes"] == [2.0, 1.0] and "speedup_passes" not in runs[1]
+    doc = {"runs": [dict(runs[0], drafter="ngram", request_rate=None)]}
+    assert passes_section(doc)[-1] == "- spec/ngram @ 4: 2.00x / 1.00x (median 1.50x, range 1.00x-2.00x)"
+    runs = [{"mode": "spec", "concurrency": 4, "output_tokens_per_s": 50.0, "pass_tokens_per_s": [50.0]},
+            {"mode": "ar", "concurrency": 4, "output_tokens_per_s": 25.0, "pass_tokens_per_s": [25.0]}]
+    add_speedups(runs)  # one pass: nothing per pass
+    assert "speedup_passes" not in runs[0] and passes_section({"runs": runs}) == []
 
 
 # ---------------------------------------------------------------------------- result document
