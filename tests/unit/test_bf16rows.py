@@ -146,6 +146,23 @@ def test_where_a_step_takes_the_kernel(forced, prefilled, one_token_steps):
     assert torch.equal(steps[0], steps[1])  # the AR of 4 tokens: HF's one-row arithmetic throughout
 
 
+def test_the_head_serves_batched_rows_where_exact_bitwise_its_one_row_calls(forced):
+    """Exact, the LM head's copy serves a verify's rows too (forced on here; auto: where its 5- and
+    9-row calls beat oneDNN's), each row bitwise oneDNN's one-row call; a prefill never."""
+    _, model, _ = forced
+    if not model._specmesh_bf16rows_report["exact"]:
+        pytest.skip("no K block makes the kernel's rows oneDNN's one-row calls on this CPU")
+    head, report = model.get_output_embeddings(), model._specmesh_bf16rows_report["head"]
+    assert report["lone"] and report["batched"]
+    assert len(report["onednn_ms"]) == len(report["kernel_ms"]) == len(bf16rows.PROBE_ROWS)
+    assert bf16rows.route(head, 5, False) is not None and bf16rows.route(head, 40, False, det=True) is not None
+    assert bf16rows.route(head, 5, True) is None  # a prompt's prefill: oneDNN's call
+    x = torch.randn(9, head.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
+    rows = bf16rows.call(head, x, False)  # [9, V]
+    ones = torch.cat([onednn.run(x[i:i + 1], head._specmesh_onednn, None) for i in range(9)])
+    assert torch.equal(rows, ones)
+
+
 def test_deterministic_steps_take_it_only_where_exact(forced, prefilled, one_token_steps):
     _, model, calls = forced
     rowexact.install(model)
@@ -179,6 +196,10 @@ def test_false_installs_nothing_and_auto_reports_its_probe():
     assert report["used"] == (report["exact"] or all(faster[1:]))  # exact: batched rows whatever the timing
     assert report["lone"] == (report["exact"] and faster[0])
     assert (bf16rows.packed_bytes(auto) > 0) == report["used"]
+    if "head" in report:  # lone rows where its one-row call is faster, batched where its 5- and 9-row calls are
+        head = report["head"]
+        pairs = list(zip(head["onednn_ms"], head["kernel_ms"]))
+        assert head["lone"] == (pairs[0][1] < pairs[0][0]) and head["batched"] == all(k < o for o, k in pairs[1:])
 
 
 def test_the_probe_alternates_the_two_paths_passes():

@@ -34,9 +34,15 @@ constexpr int MAX_MR = 12;
 // VDPBF16PS chains of a few rows otherwise leave DRAM idle between loads. Measured on that Xeon,
 // SmolLM2-135M's 121 decoder and head weights streamed once, one thread, ms for 1 / 5 / 9 rows:
 // 1 KB ahead only 22.4 / 30.6 / 35.5, with the L2 prefetch 21.4 / 24.1 / 29.0 (oneDNN: 25.9 /
-// 30.2 / 41.7; this VM reads +-10% from run to run).
+// 30.2 / 41.7; this VM reads +-10% from run to run). A k-pair's step reads two cache lines (128
+// bytes), so each step prefetches both: one line a step left every other line to the hardware
+// prefetcher, which falls behind once the sums keep the core busy. SmolLM2-135M's 210 decoder
+// linears streamed from DRAM on a 2-core Zen 4 EPYC (family 25 model 17), ms for 1 / 5 / 9 / 16
+// rows: one line a step 11.4-12.4 / 13.0-13.4 / 21.3-22.1 / 28.5-28.8, both lines 9.1-9.6 /
+// 10.1-10.8 / 10.3-11.0 / 17.0-17.6 (two interleaved passes): nine rows now cost what one does.
 constexpr int PREFETCH_BYTES = 2048;
 constexpr int PREFETCH_FAR = 8192;
+constexpr int LINE = 64;
 
 inline __m512bh as_bh(__m512i v) { return reinterpret_cast<__m512bh&>(v); }
 
@@ -63,8 +69,11 @@ void tile(const c10::BFloat16* x, int64_t K, const c10::BFloat16* pair, bool nea
     for (int64_t j = j0; j < j1; ++j) {
       const c10::BFloat16* w = pair + j * 64;
       if (near) {
-        _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_BYTES, _MM_HINT_T0);
-        _mm_prefetch(reinterpret_cast<const char*>(w) + PREFETCH_FAR, _MM_HINT_T1);
+        const char* b = reinterpret_cast<const char*>(w);  // the step's two lines, each ahead
+        _mm_prefetch(b + PREFETCH_BYTES, _MM_HINT_T0);
+        _mm_prefetch(b + PREFETCH_BYTES + LINE, _MM_HINT_T0);
+        _mm_prefetch(b + PREFETCH_FAR, _MM_HINT_T1);
+        _mm_prefetch(b + PREFETCH_FAR + LINE, _MM_HINT_T1);
       }
       const __m512bh w0 = as_bh(_mm512_loadu_si512(w)), w1 = as_bh(_mm512_loadu_si512(w + 32));
 #pragma GCC unroll 12
