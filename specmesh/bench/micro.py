@@ -148,7 +148,9 @@ def micro_markdown(doc: dict) -> str:
     if doc.get("row_attn_bf16") is not None and doc.get("dtype") == "bfloat16" and not doc.get("draft"):
         gain = doc.get("row_attn_gain")
         lines += [f"batched rows' attention: {'the row kernel' if doc['row_attn_bf16'] else 'torch SDPA per sequence'}"
-                  + (f" (probe: the kernel at {gain}x SDPA's speed)" if gain is not None else ""), ""]
+                  + (f" (probe: the kernel at {gain}x SDPA's speed)" if gain is not None else "")
+                  + (f", up to {doc['row_attn_max']} rows a sequence" if doc["row_attn_bf16"] and doc.get("row_attn_max")
+                     else ""), ""]
     if doc.get("row_exact_probe"):
         lines += [f"batch_invariant below: row-exact mode {doc.get('row_exact', 1)} (rowexact.rows), "
                   f"rows per call {doc['row_exact_probe']}", ""]
@@ -187,6 +189,7 @@ def _load(cfg, draft: bool) -> tuple:
         bf16_rows = row_attn.enable_bf16(model, True if mode == 2 else cfg.target_worker.cpu_kernel)
         return model_dir, model, {**setup, "row_attn_bf16": bf16_rows, "row_exact": mode,
                                   "row_attn_gain": getattr(model, "_specmesh_row_attn_gain", None),
+                                  "row_attn_max": row_attn.bf16_max_rows(model),
                                   "row_exact_probe": rowexact.probed(model, mode)}
     model_dir, model, setup = load_draft_model(cfg)
     return model_dir, model, {"draft": True, **setup}

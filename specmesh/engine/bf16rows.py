@@ -22,7 +22,8 @@ none: one chain, not exact. Exact, the kernel also serves:
 * every row of a deterministic step (rowexact) but a prefill's: each row is then the one-row
   call's, so the down projection (whose batched oneDNN rows are not) needs no per-row calls.
 
-It serves default-mode steps of 2-32 rows: exact, whatever the timing probe says (a verify's
+It serves default-mode steps of 2-32 rows (up to WIDE_MAX_ROWS where it is faster at WIDE_ROWS
+too): exact, whatever the timing probe says (a verify's
 rows are then the one-row step's bits); not exact, only where that probe finds it faster at 5
 and 9 rows (rows then may differ from the one-row step in the last bit, as batched rows already
 may: `batch_invariant: false`). Never a prefill (a prompt's KV is HF's multi-row call).
@@ -48,7 +49,11 @@ from specmesh.engine.rowprobe import _wide
 log = logging.getLogger(__name__)
 
 MIN_ROWS, MAX_ROWS = 2, 32  # default-mode calls of this many rows take the kernel where faster
-PROBE_ROWS = (1, 5, 9)  # the timing probe: a one-token step, a verify of 4 and of 8 drafts
+# ... and up to WIDE_MAX_ROWS where the probe finds it faster at WIDE_ROWS too (a Zen 4 EPYC,
+# SmolLM2's decoder linears streamed once: 36 / 80 / 128 rows 36.6 / 85.2 / 137.8 ms against
+# oneDNN's 56.0 / 93.8 / 156.4; batches of verifies: 4 x 9 rows, 16 x 5)
+WIDE_ROWS, WIDE_MAX_ROWS = 64, 256
+PROBE_ROWS = (1, 5, 9, WIDE_ROWS)  # the timing probe: a one-token step, a verify of 4 and of 8 drafts, a batch
 PROBE_REPEATS = 5  # timed passes of each path per row count, interleaved (_probe)
 CHUNKS = (256, 0, 128, 512, 64, 384)  # candidate K blocks in k-pairs (0: one chain), first the Zen 4's
 EXACT_ROWS = (1, 2, 5, 9, 17)  # row counts exact_chunk compares, from an aligned and an offset start
@@ -61,12 +66,13 @@ _EXT = None  # the CPU kernels' extension (cpu_gemm.load), set by install
 class Use(NamedTuple):
     """Where a kernel copy serves: kc its K block (k-pairs, 0: one chain); exact: its rows are
     oneDNN's one-row call's bits; lone: a default-mode call of one row; batched: default-mode calls
-    of MIN_ROWS..MAX_ROWS rows; det_rows: the most rows a deterministic call takes it for."""
+    of MIN_ROWS..max_rows rows; det_rows: the most rows a deterministic call takes it for."""
     kc: int
     exact: bool
     lone: bool
     batched: bool
     det_rows: int
+    max_rows: int = MAX_ROWS
 
 
 def configure(setting: bool | str) -> None:
@@ -91,7 +97,7 @@ def route(mod, rows: int, prefill: bool, det: bool = False) -> tuple[object, int
     if det:
         ok = use.exact and rows <= use.det_rows
     else:
-        ok = use.lone if rows == 1 else use.batched and MIN_ROWS <= rows <= MAX_ROWS
+        ok = use.lone if rows == 1 else use.batched and MIN_ROWS <= rows <= use.max_rows
     return (owner, use.kc, cols) if ok else None
 
 
@@ -172,15 +178,16 @@ def _decide(model: torch.nn.Module, ext, onednn_run, pack) -> dict:
     # exact: batched rows take it too (a verify's rows are then the one-row step's; at 5 / 9 rows it
     # and oneDNN trade places between starts on a Zen 4: 10.0 / 16.7 against 13.8 / 16.8 ms, then
     # 14.0 / 22.1 against 16.6 / 21.5)
-    used = _SETTING is True or kc is not None or all(faster[1:])
+    used = _SETTING is True or kc is not None or all(faster[1:3])
     exact = kc is not None
-    use = Use(kc or 0, exact, exact and (_SETTING is True or faster[0]), used, 1 << 30 if exact else 0)
+    use = Use(kc or 0, exact, exact and (_SETTING is True or faster[0]), used, 1 << 30 if exact else 0,
+              WIDE_MAX_ROWS if faster[3] else MAX_ROWS)
     for m in mods:
         m._specmesh_bf16rows_use = use
         if not (use.batched or use.exact):
             m._specmesh_bf16rows = None
-    report = {"used": used, "exact": use.exact, "kc": use.kc, "lone": use.lone, "rows": list(PROBE_ROWS),
-              "onednn_ms": onednn_ms, "kernel_ms": kernel_ms}
+    report = {"used": used, "exact": use.exact, "kc": use.kc, "lone": use.lone, "max_rows": use.max_rows,
+              "rows": list(PROBE_ROWS), "onednn_ms": onednn_ms, "kernel_ms": kernel_ms}
     if use.exact and _fits(head):
         report["head"] = _decide_head(head, ext, onednn_run, use.kc)
     return report
@@ -189,9 +196,10 @@ def _decide(model: torch.nn.Module, ext, onednn_run, pack) -> dict:
 def _decide_head(head: torch.nn.Linear, ext, onednn_run, kc: int) -> dict:
     """The LM head's copy (bitwise oneDNN's one-row call: exact_chunk probed the head's shape
     too) for lone rows where its one-row call beats oneDNN's, and for batched and deterministic
-    calls where its PROBE_ROWS[1:] calls beat oneDNN's too (a verify's logits then read the head
+    calls where its 5- and 9-row calls beat oneDNN's too (a verify's logits then read the head
     once, as the one-token step does: on a Zen 4 EPYC 49152 x 576 at 5 / 9 / 16 rows, oneDNN 3.7 /
-    4.5 / 6.5 ms, the kernel 3.0 / 2.5 / 4.5); ms of each, the best of PROBE_REPEATS."""
+    4.5 / 6.5 ms, the kernel 3.0 / 2.5 / 4.5), up to WIDE_MAX_ROWS where its WIDE_ROWS call does
+    too; ms of each, the best of PROBE_REPEATS."""
     with torch.no_grad():
         wp = ext.bf16_pack(head.weight.detach())
     gen = torch.Generator().manual_seed(0)
@@ -200,11 +208,14 @@ def _decide_head(head: torch.nn.Linear, ext, onednn_run, kc: int) -> dict:
         x = torch.randn(rows, head.in_features, generator=gen).bfloat16()
         times.append(_race((lambda: onednn_run(x, head._specmesh_onednn, None), lambda: ext.bf16_rows(x, wp, None, kc))))
     lone = _SETTING is True or times[0][1] < times[0][0]
-    batched = _SETTING is True or all(k < o for o, k in times[1:])
+    batched = _SETTING is True or all(k < o for o, k in times[1:3])
+    wide = times[3][1] < times[3][0]
     if lone or batched:
         head._specmesh_bf16rows = wp
-        head._specmesh_bf16rows_use = Use(kc, True, lone, batched, 1 << 30 if batched else 1)
-    return {"lone": lone, "batched": batched, "onednn_ms": [round(o * 1e3, 2) for o, _ in times],
+        head._specmesh_bf16rows_use = Use(kc, True, lone, batched, 1 << 30 if batched else 1,
+                                          WIDE_MAX_ROWS if wide else MAX_ROWS)
+    return {"lone": lone, "batched": batched, "max_rows": WIDE_MAX_ROWS if wide else MAX_ROWS,
+            "onednn_ms": [round(o * 1e3, 2) for o, _ in times],
             "kernel_ms": [round(k * 1e3, 2) for _, k in times]}
 
 

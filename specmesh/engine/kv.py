@@ -190,12 +190,13 @@ def attach(model: torch.nn.Module) -> torch.nn.Module:
     return model
 
 
-def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool) -> tuple[_Plan, list[int]]:
+def _plan(kvs, inputs, new_masks, depths, row_exact: bool, kernel: bool,
+          bf16_max: int = row_attn.BF16_MAX_ROWS) -> tuple[_Plan, list[int]]:
     """The step's per-sequence attention plan and the packed position ids (host list). kernel: the
-    row-attention kernel may take the step (row_attn.usable)."""
+    row-attention kernel may take the step (row_attn.usable); bf16_max: row_attn.bf16_max_rows."""
     seqs, positions, offset = [], [], 0
     trees = [new_masks[b] if new_masks and new_masks[b] is not None else None for b in range(len(kvs))]
-    rows, taken = (row_attn.plan(kvs, [len(t) for t in inputs], trees, bool(row_exact)) if kernel
+    rows, taken = (row_attn.plan(kvs, [len(t) for t in inputs], trees, bool(row_exact), bf16_max) if kernel
                    else (None, [False] * len(kvs)))
     for b, (kv, toks) in enumerate(zip(kvs, inputs)):
         n, length, tree = len(toks), kv.length, trees[b]
@@ -302,7 +303,9 @@ def batched_step(
     for kv, toks in zip(kvs, inputs):
         kv.ensure(kv.length + len(toks))
     device = kvs[0].device
-    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact, row_attn.usable(model, kvs, int(row_exact), [len(t) for t in inputs]))
+    plan, positions = _plan(kvs, inputs, new_masks, depths, row_exact,
+                            row_attn.usable(model, kvs, int(row_exact), [len(t) for t in inputs]),
+                            row_attn.bf16_max_rows(model))
     ids = torch.tensor([t for toks in inputs for t in toks], dtype=torch.long).to(device)[None]  # [1, T]
     pos = torch.tensor(positions, dtype=torch.long).to(device)[None]  # [1, T]
     token = _PLAN.set(plan)

@@ -22,8 +22,9 @@ row at 256 slots: ~255 us in SDPA, ~33 us here). In the 2-row-floor mode (rowexa
 is the mesh's own decode step, every step. In batched steps (not deterministic) it takes what is
 not the target alone's arithmetic anyway: never a lone one-token step and never a prefill (a
 sequence with nothing cached), so the target alone at concurrency 1 stays HF's SDPA, and its
-output HF `generate`'s; nor a sequence of more than BF16_MAX_ROWS rows, where one SDPA call over
-them is cheaper; and under target_worker.cpu_kernel auto only where a start-up timing probe finds
+output HF `generate`'s; nor a sequence of more rows than bf16_max_rows (BF16_MAX_ROWS, or more
+where the probe below finds the kernel faster at WIDER_ROWS too), where one SDPA call over them is
+cheaper; and under target_worker.cpu_kernel auto only where a start-up timing probe finds
 it faster than those SDPA calls (bf16_gain: on an AMX Xeon SDPA's AMX GEMMs serve a sequence's rows
 at once, and the kernel ran at 0.74-0.79x their speed). The deterministic mode on HF's kernels
 (rows(1)) never takes it.
@@ -43,8 +44,11 @@ log = logging.getLogger(__name__)
 MAX_ROWS = 64  # a sequence with more new rows than this (a prefill) keeps SDPA, unless it is a tree
 # bf16, batched: a sequence with more new rows keeps SDPA, whose one call over its rows costs less
 # from about 9 rows (a Zen 5 EPYC, 256 slots, 16 sequences: 5 rows 119 vs 137 ms, 9 rows 204 vs 195,
-# a 16-node tree 378 vs 313; docs/bench/engine.md#12)
+# a 16-node tree 378 vs 313; docs/bench/engine.md#12); under cpu_kernel auto the start-up probe
+# raises it where the kernel also wins at WIDER_ROWS (a Zen 4 EPYC, 256 slots, SmolLM2's 30 layers,
+# chains of 9 rows: 5.4 / 20.4 / 86.7 ms against SDPA's 9.3 / 29.4 / 120.2 at 1 / 4 / 16 sequences)
 BF16_MAX_ROWS = 8
+WIDER_ROWS = ((9, 16), (17, MAX_ROWS))  # (probed rows, the limit where the kernel wins there too)
 
 
 @dataclass
@@ -70,22 +74,34 @@ def enable_bf16(model: torch.nn.Module, on: bool | str = True) -> bool:
     not inside a step. True when it is allowed and available."""
     param = next(model.parameters())
     ok = bool(on) and param.dtype == torch.bfloat16 and param.device.type == "cpu" and cpu_gemm.load() is not None
+    limit = BF16_MAX_ROWS
     if ok and on == "auto":
         gain = bf16_gain(model)
         ok = gain >= 1.0
         model._specmesh_row_attn_gain = round(gain, 2)
+        for rows, wider in WIDER_ROWS if ok else ():  # longer chains and trees too, while it still wins
+            if bf16_gain(model, rows) < 1.0:
+                break
+            limit = wider
         log.info("bf16 batched verify rows' attention: %s (the row kernel runs at %.2fx the SDPA calls' speed; "
-                 "cpu_kernel auto)", "the row kernel" if ok else "torch SDPA, one call per sequence", gain)
+                 "cpu_kernel auto; up to %d rows a sequence)", "the row kernel" if ok else
+                 "torch SDPA, one call per sequence", gain, limit)
     model._specmesh_row_attn_bf16 = ok
+    model._specmesh_row_attn_max = limit
     return ok
+
+
+def bf16_max_rows(model: torch.nn.Module) -> int:
+    """The most new rows of a sequence the kernel takes in a bf16 batched step (enable_bf16)."""
+    return getattr(model, "_specmesh_row_attn_max", BF16_MAX_ROWS)
 
 
 PROBE_SLOTS = 256  # cached slots per sequence of bf16_gain's probe (the micro-bench's context)
 PROBE_SEQS, PROBE_ROWS = 4, 5  # ... its sequences, and new rows each (a 4-draft verify)
 
 
-def bf16_gain(model: torch.nn.Module) -> float:
-    """Time of one layer's attention for PROBE_SEQS sequences of PROBE_ROWS chain rows over
+def bf16_gain(model: torch.nn.Module, rows: int = PROBE_ROWS) -> float:
+    """Time of one layer's attention for PROBE_SEQS sequences of `rows` chain rows over
     PROBE_SLOTS cached slots each, in a one-layer bf16 pool of the model's heads, as a batched step
     runs it without the kernel (kv.py: one SDPA call per sequence over its pool view, its step
     mask) / with it (plan and attend, one call); fastest of a few each. > 1: the kernel is faster.
@@ -96,7 +112,7 @@ def bf16_gain(model: torch.nn.Module) -> float:
     from specmesh.engine.rowprobe import best_s
 
     _, kv_heads, d = model_kv_shape(model)
-    heads, n, length, seqs = model.config.get_text_config().num_attention_heads, PROBE_ROWS, PROBE_SLOTS, PROBE_SEQS
+    heads, n, length, seqs = model.config.get_text_config().num_attention_heads, rows, PROBE_SLOTS, PROBE_SEQS
     gen = torch.Generator().manual_seed(0)
     pool = KVPool(1, kv_heads, d, seqs * (length + n), torch.bfloat16)
     pool.k.copy_(torch.randn(pool.k.shape, generator=gen))
@@ -134,15 +150,16 @@ def usable(model: torch.nn.Module, kvs, row_exact: int = 0, sizes: list[int] | N
                and heads % kv.pool.kv_heads == 0 for kv in kvs)
 
 
-def takes(n: int, tree, exact: bool = False, cached: int = 1, bf16: bool = False) -> bool:
+def takes(n: int, tree, exact: bool = False, cached: int = 1, bf16: bool = False,
+          bf16_max: int = BF16_MAX_ROWS) -> bool:
     """Whether a sequence's n new rows (past `cached` slots) go to the kernel: any row-exact step's
-    rows (the one-token step's kernel for all of them); in a bf16 batched step, up to BF16_MAX_ROWS
-    rows of a sequence with a cache (a prefill keeps SDPA: HF's prompt KV, module docstring); else
-    a tree, or a chain of up to MAX_ROWS."""
+    rows (the one-token step's kernel for all of them); in a bf16 batched step, up to bf16_max
+    rows (bf16_max_rows) of a sequence with a cache (a prefill keeps SDPA: HF's prompt KV, module
+    docstring); else a tree, or a chain of up to MAX_ROWS."""
     if exact:
         return True
     if bf16:
-        return cached > 0 and n <= BF16_MAX_ROWS
+        return cached > 0 and n <= bf16_max
     return tree is not None or n <= MAX_ROWS
 
 
@@ -150,10 +167,11 @@ def _long(xs) -> torch.Tensor:
     return torch.tensor(xs, dtype=torch.long)
 
 
-def plan(kvs, sizes: list[int], trees: list, exact: bool = False) -> tuple[list[RowPlan], list[bool]]:
+def plan(kvs, sizes: list[int], trees: list, exact: bool = False,
+         bf16_max: int = BF16_MAX_ROWS) -> tuple[list[RowPlan], list[bool]]:
     """The row plans of a step, one per pool (the target's shared pool: one): kvs[b] holds sizes[b]
-    new rows, trees[b] its [n, n] bool ancestor mask or None (a chain); exact: a row-exact step.
-    Also, per sequence, whether the kernel takes it."""
+    new rows, trees[b] its [n, n] bool ancestor mask or None (a chain); exact: a row-exact step;
+    bf16_max: takes'. Also, per sequence, whether the kernel takes it."""
     groups: dict[int, dict[str, list]] = {}
     taken, at = [], 0
     for kv, n, tree in zip(kvs, sizes, trees):
@@ -162,7 +180,7 @@ def plan(kvs, sizes: list[int], trees: list, exact: bool = False) -> tuple[list[
         base, cached = kv.start, kv.length
         g["new"] += range(at, at + n)
         g["write"] += range(base + cached, base + cached + n)
-        taken.append(takes(n, tree, exact, cached, kv.pool.dtype == torch.bfloat16))
+        taken.append(takes(n, tree, exact, cached, kv.pool.dtype == torch.bfloat16, bf16_max))
         if taken[-1]:
             g["index"] += range(at, at + n)
             g["start"] += [base] * n

@@ -157,6 +157,8 @@ def test_the_head_serves_batched_rows_where_exact_bitwise_its_one_row_calls(forc
     assert len(report["onednn_ms"]) == len(report["kernel_ms"]) == len(bf16rows.PROBE_ROWS)
     assert bf16rows.route(head, 5, False) is not None and bf16rows.route(head, 40, False, det=True) is not None
     assert bf16rows.route(head, 5, True) is None  # a prompt's prefill: oneDNN's call
+    limit = head._specmesh_bf16rows_use.max_rows  # past the probed limit: oneDNN's batched call
+    assert bf16rows.route(head, limit, False) is not None and bf16rows.route(head, limit + 1, False) is None
     x = torch.randn(9, head.in_features, generator=torch.Generator().manual_seed(1)).bfloat16()
     rows = bf16rows.call(head, x, False)  # [9, V]
     ones = torch.cat([onednn.run(x[i:i + 1], head._specmesh_onednn, None) for i in range(9)])
@@ -193,13 +195,15 @@ def test_false_installs_nothing_and_auto_reports_its_probe():
     report = auto._specmesh_bf16rows_report
     assert len(report["onednn_ms"]) == len(report["kernel_ms"]) == len(bf16rows.PROBE_ROWS)
     faster = [k < o for o, k in zip(report["onednn_ms"], report["kernel_ms"])]
-    assert report["used"] == (report["exact"] or all(faster[1:]))  # exact: batched rows whatever the timing
+    assert report["used"] == (report["exact"] or all(faster[1:3]))  # exact: batched rows whatever the timing
     assert report["lone"] == (report["exact"] and faster[0])
+    assert report["max_rows"] == (bf16rows.WIDE_MAX_ROWS if faster[3] else bf16rows.MAX_ROWS)  # wide batches
     assert (bf16rows.packed_bytes(auto) > 0) == report["used"]
     if "head" in report:  # lone rows where its one-row call is faster, batched where its 5- and 9-row calls are
         head = report["head"]
         pairs = list(zip(head["onednn_ms"], head["kernel_ms"]))
-        assert head["lone"] == (pairs[0][1] < pairs[0][0]) and head["batched"] == all(k < o for o, k in pairs[1:])
+        assert head["lone"] == (pairs[0][1] < pairs[0][0]) and head["batched"] == all(k < o for o, k in pairs[1:3])
+        assert head["max_rows"] == (bf16rows.WIDE_MAX_ROWS if pairs[3][1] < pairs[3][0] else bf16rows.MAX_ROWS)
 
 
 def test_the_probe_alternates_the_two_paths_passes():

@@ -220,12 +220,22 @@ def test_bf16_auto_takes_the_kernel_only_where_the_probe_times_it_faster(monkeyp
     model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
     measured = row_attn.bf16_gain(model)
     assert measured > 0
+    assert row_attn.bf16_gain(model, 9) > 0
     try:
         for gain, allowed in ((0.7, False), (1.0, True), (1.6, True)):
-            monkeypatch.setattr(row_attn, "bf16_gain", lambda m, g=gain: g)
+            monkeypatch.setattr(row_attn, "bf16_gain", lambda m, rows=5, g=gain: g)
             assert row_attn.enable_bf16(model, "auto") is allowed
             assert model._specmesh_row_attn_gain == gain
+        # the row limit: raised while the kernel also wins at each of WIDER_ROWS, in order
+        (_, sixteen), (_, widest) = row_attn.WIDER_ROWS
+        for by_rows, limit in (({9: 0.9, 17: 1.2}, row_attn.BF16_MAX_ROWS), ({9: 1.1, 17: 0.8}, sixteen),
+                               ({9: 1.1, 17: 1.3}, widest)):
+            monkeypatch.setattr(row_attn, "bf16_gain", lambda m, rows=5, g=by_rows: g.get(rows, 1.4))
+            assert row_attn.enable_bf16(model, "auto") and row_attn.bf16_max_rows(model) == limit
+            assert row_attn.takes(limit, None, cached=4, bf16=True, bf16_max=limit)
+            assert not row_attn.takes(limit + 1, None, cached=4, bf16=True, bf16_max=limit)
         assert row_attn.enable_bf16(model, True)  # forced: no probe
+        assert row_attn.bf16_max_rows(model) == row_attn.BF16_MAX_ROWS
         assert not row_attn.enable_bf16(LlamaForCausalLM(cfg).eval(), "auto")  # float32
     finally:
         row_attn.enable_bf16(model, False)
