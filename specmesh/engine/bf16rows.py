@@ -174,14 +174,14 @@ def _decide(model: torch.nn.Module, ext, onednn_run, pack) -> dict:
         for m in mods:
             m._specmesh_bf16rows = ext.bf16_pack(m.weight.detach())
     onednn_ms, kernel_ms = _probe(mods, ext, onednn_run, kc or 0)
-    faster = [k < o for o, k in zip(onednn_ms, kernel_ms)]
+    faster = _faster(onednn_ms, kernel_ms)
     # exact: batched rows take it too (a verify's rows are then the one-row step's; at 5 / 9 rows it
     # and oneDNN trade places between starts on a Zen 4: 10.0 / 16.7 against 13.8 / 16.8 ms, then
     # 14.0 / 22.1 against 16.6 / 21.5)
     used = _SETTING is True or kc is not None or all(faster[1:3])
     exact = kc is not None
     use = Use(kc or 0, exact, exact and (_SETTING is True or faster[0]), used, 1 << 30 if exact else 0,
-              WIDE_MAX_ROWS if faster[3] else MAX_ROWS)
+              _max_rows(faster))
     for m in mods:
         m._specmesh_bf16rows_use = use
         if not (use.batched or use.exact):
@@ -201,22 +201,27 @@ def _decide_head(head: torch.nn.Linear, ext, onednn_run, kc: int) -> dict:
     4.5 / 6.5 ms, the kernel 3.0 / 2.5 / 4.5), up to WIDE_MAX_ROWS where its WIDE_ROWS call does
     too; ms of each, the best of PROBE_REPEATS."""
     with torch.no_grad():
-        wp = ext.bf16_pack(head.weight.detach())
-    gen = torch.Generator().manual_seed(0)
-    times = []
-    for rows in PROBE_ROWS:
-        x = torch.randn(rows, head.in_features, generator=gen).bfloat16()
-        times.append(_race((lambda: onednn_run(x, head._specmesh_onednn, None), lambda: ext.bf16_rows(x, wp, None, kc))))
-    lone = _SETTING is True or times[0][1] < times[0][0]
-    batched = _SETTING is True or all(k < o for o, k in times[1:3])
-    wide = times[3][1] < times[3][0]
+        head._specmesh_bf16rows = ext.bf16_pack(head.weight.detach())  # _probe times it from here
+    onednn_ms, kernel_ms = _probe([head], ext, onednn_run, kc)
+    faster = _faster(onednn_ms, kernel_ms)
+    lone = _SETTING is True or faster[0]
+    batched = _SETTING is True or all(faster[1:3])
     if lone or batched:
-        head._specmesh_bf16rows = wp
-        head._specmesh_bf16rows_use = Use(kc, True, lone, batched, 1 << 30 if batched else 1,
-                                          WIDE_MAX_ROWS if wide else MAX_ROWS)
-    return {"lone": lone, "batched": batched, "max_rows": WIDE_MAX_ROWS if wide else MAX_ROWS,
-            "onednn_ms": [round(o * 1e3, 2) for o, _ in times],
-            "kernel_ms": [round(k * 1e3, 2) for _, k in times]}
+        head._specmesh_bf16rows_use = Use(kc, True, lone, batched, 1 << 30 if batched else 1, _max_rows(faster))
+    else:
+        head._specmesh_bf16rows = None
+    return {"lone": lone, "batched": batched, "max_rows": _max_rows(faster), "onednn_ms": onednn_ms,
+            "kernel_ms": kernel_ms}
+
+
+def _faster(onednn_ms: list[float], kernel_ms: list[float]) -> list[bool]:
+    """Per PROBE_ROWS row count, whether the kernel beat oneDNN."""
+    return [k < o for o, k in zip(onednn_ms, kernel_ms)]
+
+
+def _max_rows(faster: list[bool]) -> int:
+    """The most rows a default-mode call takes the kernel for: WIDE_MAX_ROWS where it won at WIDE_ROWS."""
+    return WIDE_MAX_ROWS if faster[PROBE_ROWS.index(WIDE_ROWS)] else MAX_ROWS
 
 
 def exact_chunk(mods: list[torch.nn.Linear], ext, onednn_run, pack) -> int | None:
