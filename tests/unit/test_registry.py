@@ -147,7 +147,8 @@ def test_lifecycle_registers_drains_and_deregisters(registry):
     t = threading.Thread(target=life.drain)
     t.start()
     assert wait_for(lambda: registry.list("target") and registry.list("target")[0].draining, timeout=30)
-    assert state["drained"] and t.is_alive()  # waits for the live sequence
+    # drain marks the record before it calls begin_drain: wait for that call too, not race it
+    assert wait_for(lambda: state["drained"], timeout=30) and t.is_alive()  # waits for the live sequence
     state["busy"] = False
     t.join(30)
     assert not t.is_alive() and registry.list("target") == []
