@@ -100,6 +100,8 @@ def test_serves_concurrent_requests_identical_to_target_alone(ray_mesh):
         req = pb.GenerateRequest(prompt=prompt, max_tokens=16)
         req.sampling.temperature = 0.0
         req.speculation.method = method
+        if method != "off":  # a fixed k: every round drafts on the draft tier, whose routing this tests
+            req.speculation.num_speculative_tokens = 4  # (goodput may pick k = 0 for a whole 16-token request)
         return stub.Generate(req, timeout=300)
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
