@@ -39,7 +39,9 @@ from specmesh.engine.rowprobe import packing_apply
 log = logging.getLogger(__name__)
 
 SOURCES = [Path(__file__).parent / "csrc" / name for name in ("packed_gemm.cpp", "row_attention.cpp", "sdpa_rows.cpp",
-                                                                     "lean_layer.cpp", "bf16_rows.cpp", "exact_row.cpp")]
+                                                                     "lean_layer.cpp", "bf16_rows.cpp", "exact_row.cpp",
+                                                                     "row_attention_group.cpp")]
+HEADERS = [Path(__file__).parent / "csrc" / "row_attention.h"]  # in the build's digest, not compiled alone
 MAX_ROWS = 64  # default mode: more rows than this (a long prefill) go to the BLAS
 _EXT = None
 _TRIED = False
@@ -113,7 +115,7 @@ def load():
     from torch.utils.cpp_extension import load as load_ext
 
     flags = build_flags()
-    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES) + " ".join(flags).encode()).hexdigest()[:12]
+    digest = hashlib.sha256(b"".join(p.read_bytes() for p in SOURCES + HEADERS) + " ".join(flags).encode()).hexdigest()[:12]
     name = f"specmesh_packed_gemm_{digest}"
     try:
         _EXT = load_ext(name, [str(p) for p in SOURCES], extra_cflags=flags, verbose=False,

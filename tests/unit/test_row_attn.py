@@ -67,6 +67,32 @@ def test_bf16_rows_are_the_float32_kernel_on_the_widened_values_rounded_once():
         _call(q, k.float(), v.float(), rows, 0.125)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (12, 2, 128), (4, 4, 32), (16, 2, 96)])
+def test_a_sequence_s_rows_together_are_bitwise_each_row_alone(dtype, heads, kv_heads, d):
+    """The AVX-512 path (grouped, where built) runs a sequence's rows together: chains, a tree whose
+    rows read their paths, rows sharing no slot, groups longer than GROUP_ROWS (16), lone rows; every
+    row's bits are the AVX2 path's (grouped=False, one row and head at a time)."""
+    gen = torch.Generator().manual_seed(heads + d)
+    k = torch.randn(kv_heads, 2600, d, generator=gen).to(dtype)
+    v = (torch.randn(kv_heads, 2600, d, generator=gen) * 4).to(dtype)
+    chain = [(100, 2201 + j, []) for j in range(5)]  # a 5-row verify over a long cache
+    tree = [(2400, 37, [2437 + p for p in path]) for path in ([0], [0, 1], [0, 2], [0, 1, 3], [0, 2, 4], [0, 2, 5])]
+    rows = (chain + tree + [(0, 1, []), (0, 3, []), (50, 9, [1, 2]), (10, 0, [699, 700])]
+            + [(800, 20 + j, []) for j in range(19)] + [(1000, 7, [])])
+    q = (torch.randn(len(rows), heads, d, generator=gen) * 2).to(dtype)
+    grouped = _call(q, k, v, rows, d**-0.5)
+    off = [0]
+    for _, _, extra in rows:
+        off.append(off[-1] + len(extra))
+    longs = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
+    alone = ext.row_attention(q, k, v, longs([r[0] for r in rows]), longs([r[1] for r in rows]), longs(off),
+                              longs([s for r in rows for s in r[2]]), d**-0.5, grouped=False)
+    assert torch.equal(grouped, alone)
+    for t in (0, 4, 5, 10, 20, 33):
+        assert torch.equal(_call(q[t : t + 1], k, v, [rows[t]], d**-0.5)[0], grouped[t]), t
+
+
 def test_rows_that_see_no_slot_or_slots_past_the_pool_are_refused():
     k = v = torch.zeros(2, 10, 32)
     q = torch.zeros(1, 2, 32)

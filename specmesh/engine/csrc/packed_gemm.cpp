@@ -261,7 +261,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
 
 // row_attention.cpp
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor start,
-                            torch::Tensor len, torch::Tensor off, torch::Tensor extra, double scale);
+                            torch::Tensor len, torch::Tensor off, torch::Tensor extra, double scale, bool grouped);
 // sdpa_rows.cpp
 void sdpa_rows(torch::Tensor q, torch::Tensor k, torch::Tensor v, int64_t length, torch::Tensor path,
                torch::Tensor off, c10::optional<double> scale, int64_t one, int64_t width, torch::Tensor out);
@@ -293,7 +293,9 @@ torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels");
   m.def("linear", &linear, "y = x @ W^T + bias from packed panels, float32, row-invariant (AVX2/FMA)");
-  m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32 or bf16");
+  m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32 or bf16",
+        pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("len"),
+        pybind11::arg("off"), pybind11::arg("extra"), pybind11::arg("scale"), pybind11::arg("grouped") = true);
   m.def("sdpa_rows", &sdpa_rows, "a sequence's rows as one-token steps on torch SDPA, each bitwise its own call (deterministic mode)");
   m.def("lean_pre", &lean_pre, "lean_hf's layer up to attention: norm, stacked q/k/v, RoPE (prepacked bf16 linears)");
   m.def("pool_attend", &pool_attend, "kv._attend's SDPA sequences in one call: KV written in place, HF's SDPA calls");

@@ -13,54 +13,18 @@
 // slot order), whatever else the step holds. A verify row is therefore bitwise the one-token step
 // that sees the same slots, in a chain, a tree or a batch, which makes deterministic verification
 // free of per-row calls. It replaces one SDPA call per sequence per layer (or per row) and the
-// Python around it by one call per layer for the whole step.
+// Python around it by one call per layer for the whole step. Where AVX-512 is built, a sequence's
+// rows run together instead (row_attention_group.cpp: each key and value loaded once for all of
+// them), in the same arithmetic: the same bits, row by row.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
-#include <immintrin.h>
-
-#include <algorithm>
-#include <cmath>
 #include <vector>
 
+#include "row_attention.h"
+
+using namespace specmesh_attn;
+
 namespace {
-
-inline float hsum(__m256 a) {
-  const __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1));
-  const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-}
-
-// exp(x) lane-wise (Cephes expf: range reduction by ln 2 in two parts, a degree-5 polynomial,
-// 2^n through the exponent bits); x is clamped below at -87, where exp is ~1.6e-38.
-inline __m256 exp8(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.0f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  x = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), x);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, x, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(x, x), _mm256_add_ps(x, _mm256_set1_ps(1.0f)));
-  const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
-}
-
-// Eight consecutive values as float32: loaded, or widened from bf16 (its bits are float32's top half).
-inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
-inline __m256 load8(const uint16_t* p) {
-  const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
-  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
-}
-
-struct Slots {  // the slots one row sees, in order
-  const int64_t start, len, *extra, n_extra;
-  int64_t count() const { return len + n_extra; }
-  int64_t operator[](int64_t j) const { return j < len ? start + j : extra[j - len]; }
-};
 
 // One dot product's lanes: two FMA chains over d (d mod 16 < 8, >= 8), added lane-wise.
 template <typename T>
@@ -71,21 +35,6 @@ inline __m256 dot_lanes(const float* q, const T* kr, int64_t D) {
     a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), load8(kr + d + 8), a1);
   }
   return _mm256_add_ps(a0, a1);
-}
-
-// hsum of eight vectors at once, lane i = hsum(r[i]) bitwise: the same additions in the same
-// pairing ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), eight dot products per shuffle.
-inline __m256 hsum8(const __m256* r) {
-  __m256 s[4];  // [s(r_i) | s(r_i+4)], s_k = v_k + v_k+4
-  for (int i = 0; i < 4; ++i)
-    s[i] = _mm256_add_ps(_mm256_permute2f128_ps(r[i], r[i + 4], 0x20), _mm256_permute2f128_ps(r[i], r[i + 4], 0x31));
-  // t_0 = s_0 + s_2, t_1 = s_1 + s_3 of rows (0, 1 | 4, 5) and (2, 3 | 6, 7)
-  const __m256 t01 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm256_shuffle_ps(s[0], s[1], _MM_SHUFFLE(3, 2, 3, 2)));
-  const __m256 t23 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(1, 0, 1, 0)),
-                                   _mm256_shuffle_ps(s[2], s[3], _MM_SHUFFLE(3, 2, 3, 2)));
-  return _mm256_add_ps(_mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(2, 0, 2, 0)),
-                       _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
 // Scores of G query heads (q: [G, D]) against every slot of one kv head (k: [S, D]), times scale,
@@ -107,23 +56,6 @@ void scores(const float* q, int64_t G, int64_t D, const T* k, const Slots& sl, f
   }
   for (; j < n; ++j)
     for (int64_t g = 0; g < G; ++g) s[g * stride + j] = hsum(dot_lanes(q + g * D, k + sl[j] * D, D)) * scale;
-}
-
-// In place: s[0 .. n) -> exp(s - max s), lanes past n set to 0 (s holds a multiple of 8 floats);
-// returns their sum (8 lanes in slot order, then one fixed reduction).
-float softmax_weights(float* s, int64_t n) {
-  float m = -INFINITY;
-  for (int64_t j = 0; j < n; ++j) m = std::max(m, s[j]);
-  const __m256 mv = _mm256_set1_ps(m);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)), lane));
-    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)), live);
-    _mm256_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, p);
-  }
-  return hsum(sum);
 }
 
 // o_g[0 .. D) = sum_j p_g[j] v[slot j] / total_g for GN query heads at once (p_g = p + g * stride,
@@ -174,14 +106,6 @@ void all_values(const float* p, int64_t stride, const float* total, int64_t G, i
   }
 }
 
-struct RowArgs {  // one step's rows: float32 queries and output, slot lists, shapes
-  const float* q;
-  float* o;
-  const int64_t *start, *len, *off, *extra;
-  int64_t H, D, KV, G, ks, vs;
-  float scale;
-};
-
 // Every (row, kv head) of the step alone (rows over threads; see the top of the file).
 template <typename T>
 void attend_rows(const RowArgs& a, const T* kp, const T* vp, int64_t T_rows) {
@@ -201,10 +125,15 @@ void attend_rows(const RowArgs& a, const T* kp, const T* vp, int64_t T_rows) {
 
 }  // namespace
 
+// row_attention_group.cpp: a sequence's rows together, bitwise attend_rows (false where not built).
+bool attend_groups(const RowArgs& a, const float* k, const float* v, int64_t T_rows);
+bool attend_groups(const RowArgs& a, const uint16_t* k, const uint16_t* v, int64_t T_rows);
+
 // q: [T, H, D]; k, v: [KV, S, D] (one layer of the pool; each head's slots contiguous);
 // start, len: [T] int64; off: [T + 1] int64; extra: [E] int64 (pool slots) -> [T, H, D].
+// grouped: the AVX-512 path where built (same bits; false: one (row, kv head) at a time, AVX2).
 torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor start,
-                            torch::Tensor len, torch::Tensor off, torch::Tensor extra, double scale) {
+                            torch::Tensor len, torch::Tensor off, torch::Tensor extra, double scale, bool grouped) {
   const auto dt = q.scalar_type();
   TORCH_CHECK((dt == at::kFloat || dt == at::kBFloat16) && k.scalar_type() == dt && v.scalar_type() == dt,
               "row attention: q, k, v all float32 or all bfloat16");
@@ -228,10 +157,12 @@ torch::Tensor row_attention(torch::Tensor q, torch::Tensor k, torch::Tensor v, t
   const RowArgs a{qc.data_ptr<float>(), out.data_ptr<float>(), sp, lp, op, ep, H, D, KV, G, k.stride(0), v.stride(0),
                   static_cast<float>(scale)};
   if (dt == at::kFloat) {
-    attend_rows(a, k.data_ptr<float>(), v.data_ptr<float>(), T);
+    if (!grouped || !attend_groups(a, k.data_ptr<float>(), v.data_ptr<float>(), T))
+      attend_rows(a, k.data_ptr<float>(), v.data_ptr<float>(), T);
     return out;
   }
-  attend_rows(a, reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
-              reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>()), T);
+  const auto *kb = reinterpret_cast<const uint16_t*>(k.data_ptr<at::BFloat16>()),
+             *vb = reinterpret_cast<const uint16_t*>(v.data_ptr<at::BFloat16>());
+  if (!grouped || !attend_groups(a, kb, vb, T)) attend_rows(a, kb, vb, T);
   return out.to(at::kBFloat16);  // one rounding, round-to-nearest-even
 }
