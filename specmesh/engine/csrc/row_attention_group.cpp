@@ -69,6 +69,54 @@ inline float score1(const float* q, const T* kr, int64_t D, float scale) {
   return hsum(halves(acc)) * scale;
 }
 
+// exp8 (row_attention.h) on sixteen lanes: the same operations lane for lane, so the same bits.
+inline __m512 exp16(__m512 x) {
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  x = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), x);
+  __m512 y = _mm512_set1_ps(1.9875691500e-4f);
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.3981999507e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(8.3334519073e-3f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(4.1665795894e-2f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(1.6666665459e-1f));
+  y = _mm512_fmadd_ps(y, x, _mm512_set1_ps(5.0000001201e-1f));
+  y = _mm512_fmadd_ps(y, _mm512_mul_ps(x, x), _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
+  const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+  return _mm512_mul_ps(y, _mm512_castsi512_ps(e));
+}
+
+// softmax_weights (row_attention.h) sixteen lanes at a time, bitwise: the same max, the same exp
+// lane for lane, and the sum still eight lanes added in slot order (low half, then high half).
+inline float softmax16(float* s, int64_t n) {
+  __m512 m16 = _mm512_set1_ps(-INFINITY);
+  int64_t i = 0;
+  for (; i + 16 <= n; i += 16) m16 = _mm512_max_ps(m16, _mm512_loadu_ps(s + i));
+  float m = _mm512_reduce_max_ps(m16);
+  for (; i < n; ++i) m = std::max(m, s[i]);
+  const __m512 mv = _mm512_set1_ps(m);
+  const __m512i lane = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+  const int64_t n8 = (n + 7) / 8 * 8;  // the AVX2 loop's extent: s holds that many floats
+  __m256 sum = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 16 <= n8; j += 16) {
+    const __mmask16 live = _mm512_cmpgt_epi32_mask(_mm512_set1_epi32(static_cast<int>(n - j)), lane);
+    const __m512 p = _mm512_maskz_mov_ps(live, exp16(_mm512_sub_ps(_mm512_loadu_ps(s + j), mv)));
+    _mm512_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, _mm512_castps512_ps256(p));
+    sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
+  }
+  if (j < n8) {
+    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)),
+                                                                 _mm512_castsi512_si256(lane)));
+    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm512_castps512_ps256(mv))), live);
+    _mm256_storeu_ps(s + j, p);
+    sum = _mm256_add_ps(sum, p);
+  }
+  return hsum(sum);
+}
+
 struct Query {  // one (row, query head) of a group
   const float* q;
   float* o;  // [D] output, float32
@@ -141,8 +189,10 @@ template <typename T>
 void group_values(std::vector<Query>& qs, int64_t shared, const T* v, int64_t D) {
   const int64_t cw = D % 64 == 0 ? 64 : 32;
   for (int64_t d = 0; d < D; d += cw) {
-    for (size_t g = 0; g < qs.size(); g += MAX_QUERIES) {
-      const int nq = static_cast<int>(std::min<size_t>(MAX_QUERIES, qs.size() - g));
+    const size_t chunks = (qs.size() + MAX_QUERIES - 1) / MAX_QUERIES;  // of balanced sizes (15: 5 + 5 + 5)
+    int nq = 0;
+    for (size_t c = 0, g = 0; c < chunks; ++c, g += nq) {
+      nq = static_cast<int>((qs.size() - g) / (chunks - c));
       const bool last = shared == qs[g].sl.count() && std::all_of(qs.begin() + g, qs.begin() + g + nq,
                                                                    [&](const Query& x) { return x.sl.count() == shared; });
       if (cw == 64) values_chunk<4>(&qs[g], nq, v, qs[0].sl, 0, shared, D, d, last);
@@ -178,7 +228,7 @@ static void attend_group(const RowArgs& a, const T* k, const T* v, int64_t t0, i
     }
   }
   group_scores(qs, shared, k, a.D, a.scale, kb.data());
-  for (auto& x : qs) x.total = softmax_weights(x.s, x.sl.count());
+  for (auto& x : qs) x.total = softmax16(x.s, x.sl.count());
   group_values(qs, shared, v, a.D);
 }
 
