@@ -178,7 +178,7 @@ void values_chunk(Query* qs, int nq, const T* v, const Slots& sl, int64_t j0, in
 }
 
 // Every query's output: the shared slots for up to MAX_QUERIES at once, then each one's own rest,
-// 64 columns (32 where D is 32 a multiple of) at a time.
+// 64 columns at a time (32 where D is not a multiple of 64).
 template <typename T>
 void group_values(std::vector<Query>& qs, int64_t shared, const T* v, int64_t D) {
   const int64_t cw = D % 64 == 0 ? 64 : 32;
