@@ -13,7 +13,7 @@ new keys and values where they belong, one call attends. Measured on a 2-core AM
 AVX-512), one thread, SmolLM2's 9 x 3 x 64 heads: one row at 256 slots 23 us (torch SDPA 47 us), at
 2,200 slots 192 us (327 us). Where AVX-512 is built, a sequence's rows (consecutive, same first
 slot) run together in the same arithmetic (csrc/row_attention_group.cpp): keys and values loaded
-once for all of them; a Zen 5, bf16, 5 rows at 256 / 2,200 slots: 51 / 405 -> 26 / 194 us.
+once for all of them; a Zen 5, bf16, 5 rows at 256 / 2,200 slots: 51 / 405 -> 24 / 170 us.
 
 Sequences whose rows do not fit (a long prompt's prefill: more than MAX_ROWS causal rows, and
 every row attends to all before it, outside the deterministic mode) keep torch SDPA; so do GPUs

@@ -23,14 +23,15 @@ def _sdpa_row(q, k, v, slots, scale):
                                           enable_gqa=True)[0, :, 0]
 
 
-def _call(q, k, v, rows, scale):
-    """rows: per query row (start, length, extra slots) -> the kernel's [T, H, D]."""
+def _call(q, k, v, rows, scale, grouped=True):
+    """rows: per query row (start, length, extra slots) -> the kernel's [T, H, D] (grouped: its
+    AVX-512 path where built, else the AVX2 one)."""
     off = [0]
     for _, _, extra in rows:
         off.append(off[-1] + len(extra))
     longs = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
     return ext.row_attention(q, k, v, longs([r[0] for r in rows]), longs([r[1] for r in rows]), longs(off),
-                             longs([s for r in rows for s in r[2]]), scale)
+                             longs([s for r in rows for s in r[2]]), scale, grouped=grouped)
 
 
 @pytest.mark.parametrize("heads,kv_heads,d", [(9, 3, 64), (12, 2, 128), (4, 4, 32)])
@@ -82,13 +83,7 @@ def test_a_sequence_s_rows_together_are_bitwise_each_row_alone(dtype, heads, kv_
             + [(800, 20 + j, []) for j in range(19)] + [(1000, 7, [])])
     q = (torch.randn(len(rows), heads, d, generator=gen) * 2).to(dtype)
     grouped = _call(q, k, v, rows, d**-0.5)
-    off = [0]
-    for _, _, extra in rows:
-        off.append(off[-1] + len(extra))
-    longs = lambda xs: torch.tensor(xs, dtype=torch.long)  # noqa: E731
-    alone = ext.row_attention(q, k, v, longs([r[0] for r in rows]), longs([r[1] for r in rows]), longs(off),
-                              longs([s for r in rows for s in r[2]]), d**-0.5, grouped=False)
-    assert torch.equal(grouped, alone)
+    assert torch.equal(grouped, _call(q, k, v, rows, d**-0.5, grouped=False))
     for t in (0, 4, 5, 10, 20, 33):
         assert torch.equal(_call(q[t : t + 1], k, v, [rows[t]], d**-0.5)[0], grouped[t]), t
 

@@ -63,6 +63,16 @@ inline __m256 hsum8(const __m256* r) {
                        _mm256_shuffle_ps(t01, t23, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// In place: s[j .. j + 8) -> exp(s - m), lanes at or past n set to 0; returns them (softmax's step,
+// shared with the AVX-512 path's last eight lanes).
+inline __m256 weights8(float* s, int64_t j, int64_t n, __m256 mv) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)), lane));
+  const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)), live);
+  _mm256_storeu_ps(s + j, p);
+  return p;
+}
+
 // In place: s[0 .. n) -> exp(s - max s), lanes past n set to 0 (s holds a multiple of 8 floats);
 // returns their sum (8 lanes in slot order, then one fixed reduction).
 inline float softmax_weights(float* s, int64_t n) {
@@ -75,14 +85,8 @@ inline float softmax_weights(float* s, int64_t n) {
   float m = std::max(_mm_cvtss_f32(m4), _mm_cvtss_f32(_mm_shuffle_ps(m4, m4, 1)));
   for (; i < n; ++i) m = std::max(m, s[i]);
   const __m256 mv = _mm256_set1_ps(m);
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
   __m256 sum = _mm256_setzero_ps();
-  for (int64_t j = 0; j < n; j += 8) {
-    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)), lane));
-    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), mv)), live);
-    _mm256_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, p);
-  }
+  for (int64_t j = 0; j < n; j += 8) sum = _mm256_add_ps(sum, weights8(s, j, n, mv));
   return hsum(sum);
 }
 

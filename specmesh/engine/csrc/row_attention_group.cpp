@@ -101,13 +101,7 @@ inline float softmax16(float* s, int64_t n) {
     sum = _mm256_add_ps(sum, _mm512_castps512_ps256(p));
     sum = _mm256_add_ps(sum, _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(p), 1)));
   }
-  if (j < n8) {
-    const __m256 live = _mm256_castsi256_ps(_mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(n - j)),
-                                                                 _mm512_castsi512_si256(lane)));
-    const __m256 p = _mm256_and_ps(exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), _mm512_castps512_ps256(mv))), live);
-    _mm256_storeu_ps(s + j, p);
-    sum = _mm256_add_ps(sum, p);
-  }
+  if (j < n8) sum = _mm256_add_ps(sum, weights8(s, j, n, _mm512_castps512_ps256(mv)));
   return hsum(sum);
 }
 
