@@ -133,7 +133,7 @@ def _residual(p: torch.Tensor, token: int, q: torch.Tensor | None) -> torch.Tens
 def _draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
     """probs: [V] non-negative (unnormalised ok) -> one token id drawn from it."""
     if generator is not None and probs.device != generator.device:
-        probs = probs.to(generator.device)  # multinomial needs the generator's device
+        probs = probs.to(generator.device)  # the draw needs the generator's device
     return int(sample(probs.unsqueeze(0), generator)[0])
 
 

@@ -119,3 +119,23 @@ def test_sample_frequencies_follow_probs():
     freq = torch.bincount(tokens, minlength=4).float() / tokens.numel()
     assert freq[1].item() == 0.0
     torch.testing.assert_close(freq, probs[0], atol=0.015, rtol=0)
+
+
+def test_sample_never_draws_a_token_of_probability_zero():
+    """Zeros inside and after the mass, unnormalised rows, a 49,152-token vocabulary: 4,000 draws."""
+    v = 49152
+    probs = torch.zeros(4, v)
+    probs[0, [3, 700, 48000]] = torch.tensor([0.5, 2.0, 1.5])  # unnormalised, trailing zeros
+    probs[1, :10] = 1.0
+    probs[2] = torch.rand(v, generator=make_generator(1)) * (torch.arange(v) % 3 != 0)  # every third 0
+    probs[3, -1] = 1e-30  # a single tiny entry: one-hot by max == sum
+    tokens = torch.stack([sample(probs, make_generator(s)) for s in range(1000)])  # [1000, 4]
+    assert set(tokens[:, 0].tolist()) == {3, 700, 48000}
+    assert set(tokens[:, 1].tolist()) <= set(range(10)) and len(set(tokens[:, 1].tolist())) == 10
+    assert (tokens[:, 2] % 3 != 0).all() and (tokens[:, 3] == v - 1).all()
+
+
+@pytest.mark.parametrize("row", [[0.5, -0.1, 0.6], [0.0, 0.0, 0.0], [0.5, float("nan"), 0.5], [float("inf"), 0.0, 1.0]])
+def test_sample_rejects_rows_that_are_no_distribution(row):
+    with pytest.raises(ValueError):
+        sample(torch.tensor([row]), make_generator(0))
