@@ -348,7 +348,7 @@ class TargetWorkerConfig:
     bf16_rows: bool | str = "auto"
     # a verify batch waits up to this fraction of the last verify forward for the sequences between
     # two rounds, so concurrent requests share one forward instead of trailing into the next; 0: off
-    batch_gather: float = 0.3
+    batch_gather: float = 0.8
     # beside other sequences, verify of each chain draft only the prefix the whole forward does
     # best with, from the p_i its coordinator sends (specmesh/core/trim.py); false (default):
     # as drafted (measured: docs/bench/round_policy.md#session-34)
