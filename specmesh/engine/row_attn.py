@@ -28,7 +28,8 @@ output HF `generate`'s; nor a sequence of more rows than bf16_max_rows (BF16_MAX
 where the probe below finds the kernel faster at WIDER_ROWS too), where one SDPA call over them is
 cheaper; and under target_worker.cpu_kernel auto only where a start-up timing probe finds
 it faster than those SDPA calls (bf16_gain: on an AMX Xeon SDPA's AMX GEMMs serve a sequence's rows
-at once, and the kernel ran at 0.74-0.79x their speed). The deterministic mode on HF's kernels
+at once, and the kernel ran at 0.74-0.79x their speed until it ran a sequence's rows together,
+session 44; session 45's probe there read 1.99x). The deterministic mode on HF's kernels
 (rows(1)) never takes it.
 """
 
