@@ -8,12 +8,19 @@
 // Why: on CPUs where the BLAS runs small-M float32 GEMMs far below peak (an AMD EPYC with MKL:
 // M=5 costs ~3x M=1 at K=576), a verify round of k+1 positions costs several one-token steps.
 //
+// bf16 panels (AVX2 builds): a weight whose every value is a bf16 (a bf16 checkpoint loaded as
+// float32) is packed in bf16, half the bytes a step streams. The tiles widen each panel row as they
+// load it (exact: a bf16 is the top half of its float32), so every product and sum, and every
+// output bit, is the float32 panels'.
+//
 // Row-invariant by construction: every y[m, n] is one FMA chain over k = 0..K-1 in order, from 0,
 // then + bias, whatever M, the tile it falls in or the thread count. A batched call over M rows is
 // therefore bitwise the M one-row calls, and deterministic verification costs nothing extra.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
+
+#include <cstdint>
 
 namespace {
 
@@ -39,25 +46,39 @@ inline void store(float* y, const float* bias, __m256 a0, __m256 a1, int nc) {
 // while the later row groups re-read this pair from cache.
 struct Prefetch {
   bool near;
-  const float* far;  // nullptr: none
+  const char* far;  // nullptr: none
   int64_t s0, rate;
-  inline void at(const float* panel_k, int64_t k) const {
-    if (near) _mm_prefetch(reinterpret_cast<const char*>(panel_k) + PREFETCH_BYTES, _MM_HINT_T0);
-    if (far != nullptr) _mm_prefetch(reinterpret_cast<const char*>(far + (((s0 + k) * rate) >> 16) * 16), _MM_HINT_T1);
+  inline void at(const void* panel_k, int64_t k) const {
+    if (near) _mm_prefetch(static_cast<const char*>(panel_k) + PREFETCH_BYTES, _MM_HINT_T0);
+    if (far != nullptr) _mm_prefetch(far + (((s0 + k) * rate) >> 16) * 64, _MM_HINT_T1);
   }
   Prefetch then(int64_t steps) const { return {near, far, s0 + steps, rate}; }
 };
 
-// MR rows x one 16-column panel.
-template <int MR>
-void tile16(const float* x, int64_t K, const float* panel, const Prefetch& pf, const float* bias, float* y, int64_t N,
+// One panel row's 16 columns (c0-7, c8-15). float32 panels hold them in order; bf16 panels as c0-3
+// c8-11 c4-7 c12-15 (pack's NARROW_ORDER), so interleaving them with zeros in each 128-bit lane puts
+// c0-7 and c8-15 in order, every bf16 the top half of its float32: two shuffles, no shifts.
+inline void load16(const float* p, __m256& lo, __m256& hi) {
+  lo = _mm256_loadu_ps(p);
+  hi = _mm256_loadu_ps(p + 8);
+}
+inline void load16(const uint16_t* p, __m256& lo, __m256& hi) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)), z = _mm256_setzero_si256();
+  lo = _mm256_castsi256_ps(_mm256_unpacklo_epi16(z, h));
+  hi = _mm256_castsi256_ps(_mm256_unpackhi_epi16(z, h));
+}
+
+// MR rows x one 16-column panel (W: float, or uint16_t for bf16 panels).
+template <int MR, typename W>
+void tile16(const float* x, int64_t K, const W* panel, const Prefetch& pf, const float* bias, float* y, int64_t N,
             int nc) {
   __m256 acc0[MR], acc1[MR];
 #pragma GCC unroll 8
   for (int i = 0; i < MR; ++i) acc0[i] = acc1[i] = _mm256_setzero_ps();
   for (int64_t k = 0; k < K; ++k) {
     pf.at(panel + k * 16, k);
-    const __m256 w0 = _mm256_loadu_ps(panel + k * 16), w1 = _mm256_loadu_ps(panel + k * 16 + 8);
+    __m256 w0, w1;
+    load16(panel + k * 16, w0, w1);
 #pragma GCC unroll 8
     for (int i = 0; i < MR; ++i) {
       const __m256 u = _mm256_broadcast_ss(x + i * K + k);
@@ -70,8 +91,8 @@ void tile16(const float* x, int64_t K, const float* panel, const Prefetch& pf, c
 }
 
 // MR (1 or 2) rows x two panels side by side: 4 * MR chains.
-template <int MR>
-void tile32(const float* x, int64_t K, const float* pa, const float* pb, const Prefetch& pf, const float* bias,
+template <int MR, typename W>
+void tile32(const float* x, int64_t K, const W* pa, const W* pb, const Prefetch& pf, const float* bias,
             float* y, int64_t N, int ncb) {
   __m256 a0[MR], a1[MR], b0[MR], b1[MR];
 #pragma GCC unroll 2
@@ -79,8 +100,9 @@ void tile32(const float* x, int64_t K, const float* pa, const float* pb, const P
   for (int64_t k = 0; k < K; ++k) {
     pf.at(pa + k * 16, k);
     if (pf.near) _mm_prefetch(reinterpret_cast<const char*>(pb + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-    const __m256 w0 = _mm256_loadu_ps(pa + k * 16), w1 = _mm256_loadu_ps(pa + k * 16 + 8);
-    const __m256 w2 = _mm256_loadu_ps(pb + k * 16), w3 = _mm256_loadu_ps(pb + k * 16 + 8);
+    __m256 w0, w1, w2, w3;
+    load16(pa + k * 16, w0, w1);
+    load16(pb + k * 16, w2, w3);
 #pragma GCC unroll 2
     for (int i = 0; i < MR; ++i) {
       const __m256 u = _mm256_broadcast_ss(x + i * K + k);
@@ -99,14 +121,15 @@ void tile32(const float* x, int64_t K, const float* pa, const float* pb, const P
 
 // Panel p and (when `pair`) p + 1 of a packed weight, i.e. output columns n0 .. n0 + 31: where
 // they start, how many of their 16 columns are real, and their bias.
+template <typename W>
 struct PanelPair {
   int64_t n0;
-  const float* pa;
-  const float* pb;  // nullptr without a pair
+  const W* pa;
+  const W* pb;  // nullptr without a pair
   int nca, ncb;
   const float* ba;
   const float* bb;
-  PanelPair(const float* wp, int64_t p, bool pair, int64_t K, int64_t N, const float* bias)
+  PanelPair(const W* wp, int64_t p, bool pair, int64_t K, int64_t N, const float* bias)
       : n0(p * 16),
         pa(wp + p * K * 16),
         pb(pair ? pa + K * 16 : nullptr),
@@ -165,20 +188,26 @@ constexpr int MR512 = 12;
 const Tile512 TILES512[MR512 + 1] = {nullptr, tile512<1>, tile512<2>, tile512<3>, tile512<4>, tile512<5>, tile512<6>,
                                      tile512<7>, tile512<8>, tile512<9>, tile512<10>, tile512<11>, tile512<12>};
 
-void panel_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t p, bool pair, const float* bias,
+constexpr bool NARROW = false;  // these tiles read float32 panels only
+
+template <typename W>
+void panel_rows(const float* x, int64_t M, int64_t K, const W* wp, int64_t p, bool pair, const float* bias,
                 float* y, int64_t N) {
-  const PanelPair g(wp, p, pair, K, N, bias);
+  const PanelPair<W> g(wp, p, pair, K, N, bias);
   for (int64_t m = 0; m < M; m += MR512) {
     const int rows = static_cast<int>(std::min<int64_t>(MR512, M - m));
     TILES512[rows](x + m * K, K, g.pa, g.pb, g.ba, y + m * N + g.n0, N, g.nca, g.ncb);
   }
 }
 #else
+constexpr bool NARROW = true;  // bf16 panels where a weight is exactly bf16
+
 // k steps one row group of `rows` takes over a pair (two 16-column passes, or one 32-column one).
 inline int64_t group_steps(int64_t rows, bool pair, int64_t K) { return (pair && rows > 2) ? 2 * K : K; }
 
 // One row group against the pair: tiles of 3-6 rows per panel, 1-2 rows across both panels.
-void group(const float* xr, int64_t rows, int64_t K, const PanelPair& g, bool pair, const Prefetch& pf, float* yr,
+template <typename W>
+void group(const float* xr, int64_t rows, int64_t K, const PanelPair<W>& g, bool pair, const Prefetch& pf, float* yr,
            int64_t N) {
   const int64_t n0 = g.n0;
   auto halves = [&](auto tile) {
@@ -186,12 +215,12 @@ void group(const float* xr, int64_t rows, int64_t K, const PanelPair& g, bool pa
     if (pair) tile(xr, K, g.pb, pf.then(K), g.bb, yr + n0 + 16, N, g.ncb);
   };
   switch (rows) {
-    case 6: halves(tile16<6>); break;
-    case 5: halves(tile16<5>); break;
-    case 4: halves(tile16<4>); break;
-    case 3: halves(tile16<3>); break;
-    case 2: if (pair) tile32<2>(xr, K, g.pa, g.pb, pf, g.ba, yr + n0, N, g.ncb); else halves(tile16<2>); break;
-    case 1: if (pair) tile32<1>(xr, K, g.pa, g.pb, pf, g.ba, yr + n0, N, g.ncb); else halves(tile16<1>); break;
+    case 6: halves(tile16<6, W>); break;
+    case 5: halves(tile16<5, W>); break;
+    case 4: halves(tile16<4, W>); break;
+    case 3: halves(tile16<3, W>); break;
+    case 2: if (pair) tile32<2>(xr, K, g.pa, g.pb, pf, g.ba, yr + n0, N, g.ncb); else halves(tile16<2, W>); break;
+    case 1: if (pair) tile32<1>(xr, K, g.pa, g.pb, pf, g.ba, yr + n0, N, g.ncb); else halves(tile16<1, W>); break;
     default: break;
   }
 }
@@ -203,15 +232,17 @@ void group(const float* xr, int64_t rows, int64_t K, const PanelPair& g, bool pa
 // the later groups' passes over this pair (from cache) overlap the DRAM stream instead of idling it.
 // Measured on a 2-core Zen 3 EPYC, 40 weights of 576 x 1536 streamed from DRAM, one thread, us per
 // call before -> after: 9 rows 263 -> 225, 12 rows 297 -> 247, 17 rows 382 -> 349 (bitwise the same).
-void panel_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t p, bool pair, const float* bias,
+template <typename W>
+void panel_rows(const float* x, int64_t M, int64_t K, const W* wp, int64_t p, bool pair, const float* bias,
                 float* y, int64_t N) {
-  const PanelPair g(wp, p, pair, K, N, bias);
+  const PanelPair<W> g(wp, p, pair, K, N, bias);
   const int64_t groups = (M + 5) / 6;
   auto rows_of = [&](int64_t i) { return M / groups + (i < M % groups ? 1 : 0); };
   int64_t total = 0;
   for (int64_t i = 0; i < groups; ++i) total += group_steps(rows_of(i), pair, K);
-  const int64_t lines = 2 * K;  // the next pair's 64-byte lines (past the end of the weight: never faults)
-  const float* far = groups > 1 ? g.pa + 2 * K * 16 : nullptr;
+  const int64_t lines = 2 * K * static_cast<int64_t>(sizeof(W)) / 4;  // the next pair's 64-byte lines
+  // (past the end of the weight: never faults)
+  const char* far = groups > 1 ? reinterpret_cast<const char*>(g.pa + 2 * K * 16) : nullptr;
   const int64_t rate = (lines << 16) / total;
   for (int64_t i = 0, m = 0, s = 0; i < groups; ++i) {
     const int64_t rows = rows_of(i);
@@ -225,18 +256,30 @@ void panel_rows(const float* x, int64_t M, int64_t K, const float* wp, int64_t p
 
 }  // namespace
 
-// w: [N, K] float32 -> [P, K, 16], P = ceil(N / 16), zero-padded.
-torch::Tensor pack(torch::Tensor w) {
+// w: [N, K] float32 -> [P, K, 16], P = ceil(N / 16), zero-padded: float32, or bf16 in NARROW_ORDER
+// where `narrow`, the build reads bf16 panels and every value of w is a bf16 (so exactly w).
+torch::Tensor pack(torch::Tensor w, bool narrow) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "pack: a 2-D float32 CPU weight");
   const int64_t N = w.size(0), K = w.size(1), P = (N + 15) / 16;
   auto padded = torch::zeros({P * 16, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
-  return padded.view({P, 16, K}).transpose(1, 2).contiguous();
+  auto wp = padded.view({P, 16, K}).transpose(1, 2).contiguous();
+  if (!narrow || !NARROW || !torch::equal(wp.to(at::kBFloat16).to(at::kFloat), wp)) return wp;
+  const auto order = torch::tensor({0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15}, torch::kLong);  // NARROW_ORDER
+  return wp.index_select(2, order).to(at::kBFloat16);
+}
+
+static std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return shape;
 }
 
 // x: [..., K] float32; wp: pack(W); bias: [N] or None -> [..., N].
 torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t N) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat && wp.scalar_type() == at::kFloat, "packed linear: float32 only");
+  const bool half = wp.scalar_type() == at::kBFloat16;
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (wp.scalar_type() == at::kFloat || (NARROW && half)),
+              "packed linear: float32 rows and pack()'s panels");
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "packed linear: CPU tensors only");
   const int64_t P = wp.size(0), K = wp.size(1);
   TORCH_CHECK(wp.dim() == 3 && wp.size(2) == 16 && x.size(-1) == K && N <= P * 16 && N > (P - 1) * 16,
@@ -247,16 +290,22 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
   const int64_t M = x2.size(0);
   auto y = torch::empty({M, N}, x2.options());
   const float* xp = x2.data_ptr<float>();
-  const float* pp = wp.data_ptr<float>();
   const float* bp = bc.defined() ? bc.data_ptr<float>() : nullptr;
   float* yp = y.data_ptr<float>();
   const int64_t pairs = (P + 1) / 2;
-  at::parallel_for(0, pairs, 4, [&](int64_t q0, int64_t q1) {
-    for (int64_t q = q0; q < q1; ++q) panel_rows(xp, M, K, pp, 2 * q, 2 * q + 1 < P, bp, yp, N);
-  });
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return y.view(shape);
+  auto run = [&](const auto* pp) {
+    at::parallel_for(0, pairs, 4, [&](int64_t q0, int64_t q1) {
+      for (int64_t q = q0; q < q1; ++q) panel_rows(xp, M, K, pp, 2 * q, 2 * q + 1 < P, bp, yp, N);
+    });
+  };
+#ifndef __AVX512F__
+  if (half) {
+    run(reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()));
+    return y.view(out_shape(x, N));
+  }
+#endif
+  run(wp.data_ptr<float>());
+  return y.view(out_shape(x, N));
 }
 
 // row_attention.cpp
@@ -291,7 +340,9 @@ torch::Tensor bf16_pack(torch::Tensor w);
 torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t kc);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels");
+  m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels (bf16 where narrow and exact)",
+        pybind11::arg("w"), pybind11::arg("narrow") = true);
+  m.def("narrow_panels", [] { return NARROW; }, "whether pack() may return bf16 panels (AVX2 builds)");
   m.def("linear", &linear, "y = x @ W^T + bias from packed panels, float32, row-invariant (AVX2/FMA)");
   m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32 or bf16",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("len"),
