@@ -16,6 +16,9 @@ packed output column is its own FMA chain, so one linear over the stacked [Wq; W
 bitwise what three do, and the elementwise ops are HF's own ops in HF's order: the logits are
 bitwise the HF-module path's (tests/unit/test_lean.py), so a step may take either path (a step
 that asks for hidden states takes HF's) and speculation stays bitwise the target alone.
+The ops around attention run in C++, two calls a layer (csrc/lean_layer.cpp's lean_pre and
+lean_post, the same ATen ops in the same order as the Python they replace, shared with
+lean_hf.py's bf16 forward): ~25 Python-level tensor calls a layer fewer.
 
 The stacked weights cost no memory: they are packed once per layer, and the per-projection
 packed weights HF's path reads become views of them (each projection's rows are a whole number of
@@ -101,7 +104,7 @@ class _Layer:
     """One decoder layer's tensors for the forward, looked up once (not ~13 module attribute
     lookups per layer per step)."""
 
-    __slots__ = ("norm1", "qkv", "o", "norm2", "gate_up", "down", "act", "scale")
+    __slots__ = ("norm1", "qkv", "o", "norm2", "gate_up", "down", "inter", "scale")
 
     def __init__(self, layer: torch.nn.Module):
         a, mlp = layer.self_attn, layer.mlp
@@ -111,7 +114,7 @@ class _Layer:
         self.norm2 = (layer.post_attention_layernorm.weight, layer.post_attention_layernorm.variance_epsilon)
         self.gate_up = layer._specmesh_gate_up
         self.down = (mlp.down_proj._specmesh_packed, mlp.down_proj.bias)
-        self.act, self.scale = mlp.act_fn, a.scaling
+        self.inter, self.scale = mlp.down_proj.in_features, a.scaling
 
 
 def _rms(x: torch.Tensor, norm: tuple[torch.Tensor, float]) -> torch.Tensor:
@@ -125,10 +128,6 @@ def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     x: [T, heads, D]; cos, sin: [T, 1, D]."""
     half = x.shape[-1] // 2
     return (x * cos) + (torch.cat((-x[..., half:], x[..., :half]), dim=-1) * sin)
-
-
-def _linear(ext, x: torch.Tensor, packed: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    return ext.linear(x, packed, bias, packed.shape[0] * PANEL)
 
 
 def begin(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor, hidden: dict | None) -> tuple:
@@ -154,18 +153,14 @@ def forward(model: torch.nn.Module, ids: torch.Tensor, positions: torch.Tensor,
     one after the final norm, as HF's output_hidden_states gives them."""
     (t, heads, kv_heads, d), x, keep, cos, sin = begin(model, ids, positions, hidden)
     inner = model.model
-    ext, k_end = cpu_gemm.load(), (heads + kv_heads) * d
+    ext = cpu_gemm.load()
     for i, lay in enumerate(model._specmesh_lean_layers):
-        qkv = _linear(ext, _rms(x, lay.norm1), *lay.qkv)  # [T, (H + 2 KV) D]
-        qk = _rope(qkv[:, :k_end].view(t, heads + kv_heads, d), cos, sin)  # [T, H + KV, D]
-        q, k = qk[:, :heads], qk[:, heads:]  # [T, H, D], [T, KV, D]
-        v = qkv[:, k_end:].view(t, kv_heads, d)  # [T, KV, D]
-        o = row_attn.step(plans, i, k.transpose(0, 1)[None], v.transpose(0, 1)[None], q.transpose(0, 1)[None],
-                          lay.scale)  # [T, H, D]: every row is on the kernel
-        x = x + _linear(ext, o.reshape(t, heads * d), *lay.o)
-        gu = _linear(ext, _rms(x, lay.norm2), *lay.gate_up)  # [T, 2 I]
-        inter = gu.shape[1] // 2
-        x = x + _linear(ext, lay.act(gu[:, :inter]) * gu[:, inter:], *lay.down)
+        # the norm, the stacked q/k/v call and RoPE in one C++ call (csrc/lean_layer.cpp: _rms's and
+        # _rope's ops in their order, the packed kernel's linear): q [1, H, T, D], k and v [1, KV, T, D]
+        q, k, v = ext.lean_pre(x, *lay.norm1, *lay.qkv, 0, 0, cos, sin, heads, kv_heads, d, 0)
+        o = row_attn.step(plans, i, k, v, q, lay.scale)  # [T, H, D]: every row is on the kernel
+        # o_proj and the residual, the norm, gate/up, SiLU(gate) * up, down and the residual
+        x = ext.lean_post(x, o[None], *lay.o, 0, 0, *lay.norm2, *lay.gate_up, 0, 0, lay.inter, *lay.down, 0, 0, 0)
         if i + 1 in keep and i + 1 < len(inner.layers):
             keep[i + 1] = x
     final = _rms(x, (inner.norm.weight, inner.norm.variance_epsilon))  # [T, hidden]

@@ -1,5 +1,5 @@
 // lean_hf.py's decoder layer in two calls, for steps whose linears all run from oneDNN-prepacked
-// weights: the same ATen ops on the same tensors in the same order as lean_hf's Python (which is
+// weights (and lean.py's, from the packed float32 kernel's panels): the same ATen ops on the same tensors in the same order as lean_hf's Python (which is
 // HF's modules' order), without ~25 Python-level tensor calls per layer around them. Attention
 // stays in Python between the two halves (kv.py's _attend: every plan kind).
 //
@@ -31,11 +31,14 @@ int64_t bucket(int64_t m) {  // onednn.bucket
 }  // namespace
 
 torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t kc);  // bf16_rows.cpp
+torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t N);  // packed_gemm.cpp
 
 namespace {
 
-// onednn.run, or (a [N/32, K/2, 64] weight: bf16rows.py's copy) bf16_rows, its sums in chunks of kc k-pairs
+// onednn.run; a [N/32, K/2, 64] weight (bf16rows.py's copy): bf16_rows, its sums in chunks of kc
+// k-pairs; a [N/16, K, 16] one (the packed float32 kernel's panels, lean.py: whole panels): its linear
 at::Tensor run(const at::Tensor& x, const at::Tensor& wp, const std::optional<at::Tensor>& b, int64_t kc) {
+  if (wp.dim() == 3 && wp.size(2) == 16) return ::linear(x, wp, b, wp.size(0) * 16);
   if (wp.dim() == 3) return bf16_rows(x, wp, b, kc);
   const int64_t m = x.size(0), pad = bucket(m) - m;
   const at::Tensor xi = pad ? at::cat({x, x.new_zeros({pad, x.size(1)})}) : x;
