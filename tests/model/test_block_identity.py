@@ -77,11 +77,14 @@ def test_block_matches_hf_greedy(services, references, target_tokenizer, tree_bu
         # a tree drafts more nodes than it has positions
         assert sum(r.spec.drafted_tokens for r in responses) > sum(sum(r.spec.drafted_per_position) for r in responses)
         # by default (coordinator.block_tables) a tree comes from the candidate table drafted during
-        # the previous verify (coordinator/tails.py), its rows one or more positions stale: only the
-        # first round of a request waits for its own
+        # the previous verify (coordinator/tails.py), its rows one or more positions stale: most rounds
+        # take such a tail (a hit). Whether a table is done
+        # by the time the verify returns (draft_waits) is a race between the draft tier's speed and
+        # the target's: a benchmark figure ("rounds waited for a draft", docs/bench), not asserted
+        # here (session 46: a 1.8x faster target step on a Zen 3 made 50 of 69 fixed-k tree rounds
+        # here wait, while the round-policy bench at c1 read 2%)
         spec = [r.spec for r in responses]
         assert sum(s.predraft_hits for s in spec) > sum(s.predraft_misses for s in spec) > 0, spec
-        assert sum(s.draft_waits for s in spec) < sum(s.rounds for s in spec) / 2, spec
 
 
 @pytest.mark.parametrize("tree_budget", [0, 16], ids=["chain", "tree16"])
