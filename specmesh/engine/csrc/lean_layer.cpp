@@ -1,7 +1,8 @@
 // lean_hf.py's decoder layer in two calls, for steps whose linears all run from oneDNN-prepacked
-// weights (and lean.py's, from the packed float32 kernel's panels): the same ATen ops on the same tensors in the same order as lean_hf's Python (which is
-// HF's modules' order), without ~25 Python-level tensor calls per layer around them. Attention
-// stays in Python between the two halves (kv.py's _attend: every plan kind).
+// weights (and lean.py's, from the packed float32 kernel's panels): the same ATen ops on the same
+// tensors in the same order as lean_hf's Python (which is HF's modules' order), without ~25
+// Python-level tensor calls per layer around them. Attention stays in Python between the two
+// halves (kv.py's _attend: every plan kind).
 //
 // A linear here is rowexact.linear_forward's call of a prepacked weight, spelt out: a call of m
 // rows runs at onednn.bucket(m) rows (zero rows appended), a deterministic step cuts its rows

@@ -269,12 +269,6 @@ torch::Tensor pack(torch::Tensor w, bool narrow) {
   return wp.index_select(2, order).to(at::kBFloat16);
 }
 
-static std::vector<int64_t> out_shape(const torch::Tensor& x, int64_t N) {
-  auto shape = x.sizes().vec();
-  shape.back() = N;
-  return shape;
-}
-
 // x: [..., K] float32; wp: pack(W); bias: [N] or None -> [..., N].
 torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t N) {
   const bool half = wp.scalar_type() == at::kBFloat16;
@@ -298,14 +292,16 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
       for (int64_t q = q0; q < q1; ++q) panel_rows(xp, M, K, pp, 2 * q, 2 * q + 1 < P, bp, yp, N);
     });
   };
-#ifndef __AVX512F__
   if (half) {
+#ifndef __AVX512F__  // (elsewhere pack() never narrows, and the check above refuses bf16 panels)
     run(reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()));
-    return y.view(out_shape(x, N));
-  }
 #endif
-  run(wp.data_ptr<float>());
-  return y.view(out_shape(x, N));
+  } else {
+    run(wp.data_ptr<float>());
+  }
+  auto shape = x.sizes().vec();
+  shape.back() = N;
+  return y.view(shape);
 }
 
 // row_attention.cpp
