@@ -176,7 +176,7 @@ class Plan:
                   f"the KV pool holds {n} x ({T} context + one round's draft slots) and is allocated once at start",
                   "(drafts are verified in place inside it; a CPU commits its pages as they are first written).",
                   "on a CPU with target_worker.cpu_kernel on: + the weights again (float32 on an x86 CPU: the verify "
-                  "kernel's packed copy, half that for a bf16 checkpoint on AVX2; bf16: oneDNN's prepacked copy, "
+                  "kernel's packed copy, half that for a bf16 checkpoint; bf16: oneDNN's prepacked copy, "
                   "where its probe keeps it), and on a bf16 CPU "
                   "with AVX512-BF16 + the decoder's linears once more where target_worker.bf16_rows' probe keeps them.",
                   f"config: target_worker.cache.max_sequences: {n}, target_worker.cache.max_tokens: {self.pool_tokens}"]

@@ -203,11 +203,10 @@ def apply(mod: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
 
 
 def kernel_apply():
-    """apply(x, W, b) through the kernel for rowexact's probe (packs each probe weight once). Where
-    the build packs bf16 panels, the probe's weights are rounded to bf16 first, so it runs the
-    panels a bf16 checkpoint's model runs (the float32 panels' tiles are the same code)."""
-    narrow = _EXT.narrow_panels()
-    return packing_apply(lambda w: _EXT.pack(w.to(torch.bfloat16).float() if narrow else w),
+    """apply(x, W, b) through the kernel for rowexact's probe (packs each probe weight once). The
+    probe's weights are rounded to bf16 first, so it runs the bf16 panels a bf16 checkpoint's model
+    runs (the float32 panels' tiles are the same code)."""
+    return packing_apply(lambda w: _EXT.pack(w.to(torch.bfloat16).float()),
                          lambda x, wp, b, w: _EXT.linear(x, wp, b, w.shape[0]), "packed kernel")
 
 

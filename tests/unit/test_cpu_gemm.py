@@ -43,16 +43,16 @@ def test_matches_f_linear_and_every_row_count_is_bitwise_the_one_row_calls(n_out
 @pytest.mark.parametrize("n_out,n_in", [(40, 24), (33, 17), (96, 64)])
 def test_a_bf16_exact_weight_packs_in_bf16_and_gives_the_float32_panels_bits(n_out, n_in):
     """A float32 weight holding only bf16 values (a bf16 checkpoint loaded as float32) is packed in
-    bf16 where the build reads such panels: half the bytes, every output bit the float32 panels',
-    at every row count and offset; any other weight (or narrow=False) keeps float32 panels."""
+    bf16 (AVX2 and AVX-512 builds alike): half the bytes, every output bit the float32 panels', at
+    every row count and offset; any other weight (or narrow=False) keeps float32 panels."""
     gen = torch.Generator().manual_seed(n_out + n_in)
     w = (torch.randn(n_out, n_in, generator=gen) * torch.exp2(torch.randint(-12, 13, (n_out, n_in), generator=gen)
                                                               .float())).to(torch.bfloat16).float()
     b = torch.randn(n_out, generator=gen)
     wide, narrow = ext.pack(w, narrow=False), ext.pack(w)
     assert wide.dtype == torch.float32 and ext.pack(w + 2 ** -20).dtype == torch.float32
-    assert narrow.dtype == (torch.bfloat16 if ext.narrow_panels() else torch.float32)
-    assert narrow.shape == wide.shape and narrow.nbytes == wide.nbytes // (2 if ext.narrow_panels() else 1)
+    assert narrow.dtype == torch.bfloat16
+    assert narrow.shape == wide.shape and narrow.nbytes == wide.nbytes // 2
     rows = 27
     x = torch.randn(rows, n_in, generator=gen) * torch.exp2(torch.randint(-8, 9, (rows, n_in), generator=gen).float())
     for m in range(1, rows + 1):

@@ -8,7 +8,7 @@
 // Why: on CPUs where the BLAS runs small-M float32 GEMMs far below peak (an AMD EPYC with MKL:
 // M=5 costs ~3x M=1 at K=576), a verify round of k+1 positions costs several one-token steps.
 //
-// bf16 panels (AVX2 builds): a weight whose every value is a bf16 (a bf16 checkpoint loaded as
+// bf16 panels: a weight whose every value is a bf16 (a bf16 checkpoint loaded as
 // float32) is packed in bf16, half the bytes a step streams. The tiles widen each panel row as they
 // load it (exact: a bf16 is the top half of its float32), so every product and sum, and every
 // output bit, is the float32 panels'.
@@ -150,9 +150,18 @@ inline void store512(float* y, const float* bias, __m512 a, int nc) {
   for (int j = 0; j < nc; ++j) y[j] = bias ? t[j] + bias[j] : t[j];
 }
 
-template <int MR>
-void tile512(const float* x, int64_t K, const float* pa, const float* pb, const float* bias, float* y, int64_t N,
-             int nca, int ncb) {
+// One panel row's 16 columns: float32 panels in order; bf16 panels in order too in this build
+// (NARROW_ORDER is the identity here), each bf16 zero-extended to 32 bits and shifted into the top
+// half: its float32, exactly.
+inline __m512 load512(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load512(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+template <int MR, typename W>
+void tile512(const float* x, int64_t K, const W* pa, const W* pb, const float* bias, float* y, int64_t N, int nca,
+             int ncb) {
   __m512 a[MR], b[MR];
 #pragma GCC unroll 12
   for (int i = 0; i < MR; ++i) a[i] = b[i] = _mm512_setzero_ps();
@@ -160,7 +169,7 @@ void tile512(const float* x, int64_t K, const float* pa, const float* pb, const 
     for (int64_t k = 0; k < K; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(pa + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(pb + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-      const __m512 wa = _mm512_loadu_ps(pa + k * 16), wb = _mm512_loadu_ps(pb + k * 16);
+      const __m512 wa = load512(pa + k * 16), wb = load512(pb + k * 16);
 #pragma GCC unroll 12
       for (int i = 0; i < MR; ++i) {
         const __m512 u = _mm512_set1_ps(x[i * K + k]);
@@ -171,7 +180,7 @@ void tile512(const float* x, int64_t K, const float* pa, const float* pb, const 
   } else {
     for (int64_t k = 0; k < K; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(pa + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-      const __m512 wa = _mm512_loadu_ps(pa + k * 16);
+      const __m512 wa = load512(pa + k * 16);
 #pragma GCC unroll 12
       for (int i = 0; i < MR; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k]), wa, a[i]);
     }
@@ -183,12 +192,16 @@ void tile512(const float* x, int64_t K, const float* pa, const float* pb, const 
   }
 }
 
-using Tile512 = void (*)(const float*, int64_t, const float*, const float*, const float*, float*, int64_t, int, int);
+template <typename W>
+using Tile512 = void (*)(const float*, int64_t, const W*, const W*, const float*, float*, int64_t, int, int);
 constexpr int MR512 = 12;
-const Tile512 TILES512[MR512 + 1] = {nullptr, tile512<1>, tile512<2>, tile512<3>, tile512<4>, tile512<5>, tile512<6>,
-                                     tile512<7>, tile512<8>, tile512<9>, tile512<10>, tile512<11>, tile512<12>};
+template <typename W>
+const Tile512<W> TILES512[MR512 + 1] = {nullptr,           tile512<1, W>,  tile512<2, W>,  tile512<3, W>, tile512<4, W>,
+                                        tile512<5, W>,     tile512<6, W>,  tile512<7, W>,  tile512<8, W>, tile512<9, W>,
+                                        tile512<10, W>,    tile512<11, W>, tile512<12, W>};
 
-constexpr bool NARROW = false;  // these tiles read float32 panels only
+// bf16 panels (where a weight is exactly bf16) hold a panel row's columns in order here
+constexpr int64_t NARROW_ORDER[16] = {0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15};
 
 template <typename W>
 void panel_rows(const float* x, int64_t M, int64_t K, const W* wp, int64_t p, bool pair, const float* bias,
@@ -196,11 +209,12 @@ void panel_rows(const float* x, int64_t M, int64_t K, const W* wp, int64_t p, bo
   const PanelPair<W> g(wp, p, pair, K, N, bias);
   for (int64_t m = 0; m < M; m += MR512) {
     const int rows = static_cast<int>(std::min<int64_t>(MR512, M - m));
-    TILES512[rows](x + m * K, K, g.pa, g.pb, g.ba, y + m * N + g.n0, N, g.nca, g.ncb);
+    TILES512<W>[rows](x + m * K, K, g.pa, g.pb, g.ba, y + m * N + g.n0, N, g.nca, g.ncb);
   }
 }
 #else
-constexpr bool NARROW = true;  // bf16 panels where a weight is exactly bf16
+// bf16 panels (where a weight is exactly bf16): a panel row's columns as load16 reads them
+constexpr int64_t NARROW_ORDER[16] = {0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15};  // load16's
 
 // k steps one row group of `rows` takes over a pair (two 16-column passes, or one 32-column one).
 inline int64_t group_steps(int64_t rows, bool pair, int64_t K) { return (pair && rows > 2) ? 2 * K : K; }
@@ -257,22 +271,22 @@ void panel_rows(const float* x, int64_t M, int64_t K, const W* wp, int64_t p, bo
 }  // namespace
 
 // w: [N, K] float32 -> [P, K, 16], P = ceil(N / 16), zero-padded: float32, or bf16 in NARROW_ORDER
-// where `narrow`, the build reads bf16 panels and every value of w is a bf16 (so exactly w).
+// where `narrow` and every value of w is a bf16 (so exactly w).
 torch::Tensor pack(torch::Tensor w, bool narrow) {
   TORCH_CHECK(w.dim() == 2 && w.scalar_type() == at::kFloat && w.device().is_cpu(), "pack: a 2-D float32 CPU weight");
   const int64_t N = w.size(0), K = w.size(1), P = (N + 15) / 16;
   auto padded = torch::zeros({P * 16, K}, w.options());
   padded.narrow(0, 0, N).copy_(w);
   auto wp = padded.view({P, 16, K}).transpose(1, 2).contiguous();
-  if (!narrow || !NARROW || !torch::equal(wp.to(at::kBFloat16).to(at::kFloat), wp)) return wp;
-  const auto order = torch::tensor({0, 1, 2, 3, 8, 9, 10, 11, 4, 5, 6, 7, 12, 13, 14, 15}, torch::kLong);  // NARROW_ORDER
+  if (!narrow || !torch::equal(wp.to(at::kBFloat16).to(at::kFloat), wp)) return wp;
+  const auto order = torch::tensor(std::vector<int64_t>(NARROW_ORDER, NARROW_ORDER + 16), torch::kLong);
   return wp.index_select(2, order).to(at::kBFloat16);
 }
 
 // x: [..., K] float32; wp: pack(W); bias: [N] or None -> [..., N].
 torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Tensor> bias, int64_t N) {
   const bool half = wp.scalar_type() == at::kBFloat16;
-  TORCH_CHECK(x.scalar_type() == at::kFloat && (wp.scalar_type() == at::kFloat || (NARROW && half)),
+  TORCH_CHECK(x.scalar_type() == at::kFloat && (wp.scalar_type() == at::kFloat || half),
               "packed linear: float32 rows and pack()'s panels");
   TORCH_CHECK(x.device().is_cpu() && wp.device().is_cpu(), "packed linear: CPU tensors only");
   const int64_t P = wp.size(0), K = wp.size(1);
@@ -293,9 +307,7 @@ torch::Tensor linear(torch::Tensor x, torch::Tensor wp, c10::optional<torch::Ten
     });
   };
   if (half) {
-#ifndef __AVX512F__  // (elsewhere pack() never narrows, and the check above refuses bf16 panels)
     run(reinterpret_cast<const uint16_t*>(wp.data_ptr<at::BFloat16>()));
-#endif
   } else {
     run(wp.data_ptr<float>());
   }
@@ -338,7 +350,6 @@ torch::Tensor bf16_rows(torch::Tensor x, torch::Tensor wp, c10::optional<torch::
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack", &pack, "pack a [N, K] float32 weight into [ceil(N/16), K, 16] panels (bf16 where narrow and exact)",
         pybind11::arg("w"), pybind11::arg("narrow") = true);
-  m.def("narrow_panels", [] { return NARROW; }, "whether pack() may return bf16 panels (AVX2 builds)");
   m.def("linear", &linear, "y = x @ W^T + bias from packed panels, float32, row-invariant (AVX2/FMA)");
   m.def("row_attention", &row_attention, "each query row's attention alone over its own pool slots, float32 or bf16",
         pybind11::arg("q"), pybind11::arg("k"), pybind11::arg("v"), pybind11::arg("start"), pybind11::arg("len"),
