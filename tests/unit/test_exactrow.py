@@ -14,7 +14,9 @@ import torch.nn.functional as F
 from specmesh.engine import attention, exactrow
 from specmesh.engine.rowprobe import _wide
 
-SHAPES = [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 4, 64)]  # SmolLM2-135M, Qwen2.5 0.5B / 1.5B, no grouping
+# SmolLM2-135M, Qwen2.5 0.5B / 1.5B, no grouping; a kv head's query heads run in passes of <= 4
+# together (3, 4 + 3, 3 + 3, 1 here; then 4, 3 + 2)
+SHAPES = [(9, 3, 64), (14, 2, 64), (12, 2, 128), (4, 4, 64), (8, 2, 64), (10, 2, 64)]
 LENGTHS = [1, 5, 16, 30, 33, 80, 96, 97, 300, 512, 514, 1030, 1537, 2300]
 
 pytestmark = pytest.mark.skipif(exactrow._ext() is None, reason="the exact kernel is not built here (no AVX-512)")
