@@ -46,14 +46,17 @@
 #include <ATen/cpu/vec/vec.h>
 #include <immintrin.h>
 
+#include "row_attention.h"
+
 namespace {
 
 using Vec = at::vec::Vectorized<float>;
 using bf16 = at::BFloat16;
 constexpr int64_t KV_SPLIT = 512;  // the flash kernel's slots per block
+static_assert(Vec::size() == 16, "exp_sum widens its probabilities 16 at a time");
 
-inline __m512 widen16(const bf16* p) {  // 16 bf16 -> 16 float32
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i*)p)), 16));
+inline __m512 widen16(const bf16* p) {  // 16 bf16 -> 16 float32, exactly
+  return specmesh_attn::load16(reinterpret_cast<const uint16_t*>(p));
 }
 
 // The G query heads of one kv head run together (G <= 4 a pass): every gathered key and widened
@@ -119,13 +122,14 @@ float exp_sum(const float* s, int64_t n, float max, float* p) {
     sum0 += e0;
     sum1 += e1;
     at::vec::convert_from_float<bf16>(e0, e1).store(h, 2 * W);
-    for (int64_t t = 0; t < 2 * W; ++t) p[i + t] = static_cast<float>(h[t]);
+    _mm512_storeu_ps(p + i, widen16(h));
+    _mm512_storeu_ps(p + i + W, widen16(h + W));
   }
   if (i + W <= n) {
     const Vec e0 = (Vec::loadu(s + i) - vm).fexp_u20();
     sum0 += e0;
     at::vec::convert_from_float<bf16>(e0, e0).store(h, W);
-    for (int64_t t = 0; t < W; ++t) p[i + t] = static_cast<float>(h[t]);
+    _mm512_storeu_ps(p + i, widen16(h));
     i += W;
   }
   float sum = at::vec::vec_reduce_all<float>([](Vec& x, Vec& y) { return x + y; }, sum0 + sum1);

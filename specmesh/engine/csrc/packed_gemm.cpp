@@ -22,6 +22,8 @@
 
 #include <cstdint>
 
+#include "row_attention.h"
+
 namespace {
 
 // Each k step reads one 64-byte line of a panel; the packed weight is one contiguous stream (panel
@@ -150,14 +152,9 @@ inline void store512(float* y, const float* bias, __m512 a, int nc) {
   for (int j = 0; j < nc; ++j) y[j] = bias ? t[j] + bias[j] : t[j];
 }
 
-// One panel row's 16 columns: float32 panels in order; bf16 panels in order too in this build
-// (NARROW_ORDER is the identity here), each bf16 zero-extended to 32 bits and shifted into the top
-// half: its float32, exactly.
-inline __m512 load512(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load512(const uint16_t* p) {
-  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
+// One panel row's 16 columns (specmesh_attn::load16): float32 panels in order; bf16 panels in order
+// too in this build (NARROW_ORDER is the identity here), each widened to its float32 exactly.
+using specmesh_attn::load16;
 
 template <int MR, typename W>
 void tile512(const float* x, int64_t K, const W* pa, const W* pb, const float* bias, float* y, int64_t N, int nca,
@@ -169,7 +166,7 @@ void tile512(const float* x, int64_t K, const W* pa, const W* pb, const float* b
     for (int64_t k = 0; k < K; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(pa + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
       _mm_prefetch(reinterpret_cast<const char*>(pb + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-      const __m512 wa = load512(pa + k * 16), wb = load512(pb + k * 16);
+      const __m512 wa = load16(pa + k * 16), wb = load16(pb + k * 16);
 #pragma GCC unroll 12
       for (int i = 0; i < MR; ++i) {
         const __m512 u = _mm512_set1_ps(x[i * K + k]);
@@ -180,7 +177,7 @@ void tile512(const float* x, int64_t K, const W* pa, const W* pb, const float* b
   } else {
     for (int64_t k = 0; k < K; ++k) {
       _mm_prefetch(reinterpret_cast<const char*>(pa + k * 16) + PREFETCH_BYTES, _MM_HINT_T0);
-      const __m512 wa = load512(pa + k * 16);
+      const __m512 wa = load16(pa + k * 16);
 #pragma GCC unroll 12
       for (int i = 0; i < MR; ++i) a[i] = _mm512_fmadd_ps(_mm512_set1_ps(x[i * K + k]), wa, a[i]);
     }

@@ -1,6 +1,7 @@
 // Shared by row_attention.cpp (AVX2: one (row, kv head) at a time) and row_attention_group.cpp
 // (AVX-512: a sequence's rows together): the reductions, exp and softmax whose exact order makes a
-// row's output a function of its own slots alone, the slot list, the call's arguments.
+// row's output a function of its own slots alone, the slot list, the call's arguments; and the
+// exact bf16 -> float32 loads the other kernels use too.
 #pragma once
 #include <immintrin.h>
 
@@ -41,6 +42,16 @@ inline __m256 load8(const uint16_t* p) {
   const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
   return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
 }
+
+#ifdef __AVX512F__
+// Sixteen consecutive values as float32, the same way (also packed_gemm.cpp's AVX-512 tiles and
+// exact_row.cpp).
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const uint16_t* p) {
+  const __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+#endif
 
 struct Slots {  // the slots one row sees, in order
   const int64_t start, len, *extra, n_extra;

@@ -30,11 +30,6 @@ namespace {
 constexpr int64_t GROUP_ROWS = 16;
 constexpr int MAX_QUERIES = 6;  // query heads' value accumulators at once: 6 x 4 zmm, with 4 for a value row
 
-inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16(const uint16_t* p) {  // bf16 widened exactly (float32's top half)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
-}
-
 // The AVX2 path's a0 + a1 from a 16-lane chain (lanes 0-7: a0, 8-15: a1).
 inline __m256 halves(__m512 acc) {
   return _mm256_add_ps(_mm512_castps512_ps256(acc), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(acc), 1)));
