@@ -54,6 +54,8 @@ using Vec = at::vec::Vectorized<float>;
 using bf16 = at::BFloat16;
 constexpr int64_t KV_SPLIT = 512;  // the flash kernel's slots per block
 static_assert(Vec::size() == 16, "exp_sum widens its probabilities 16 at a time");
+using specmesh_attn::prefetch_span;
+using specmesh_attn::PREFETCH_SLOTS;
 
 inline __m512 widen16(const bf16* p) {  // 16 bf16 -> 16 float32, exactly
   return specmesh_attn::load16(reinterpret_cast<const uint16_t*>(p));
@@ -64,9 +66,11 @@ inline __m512 widen16(const bf16* p) {  // 16 bf16 -> 16 float32, exactly
 
 // scores[g][j] = q[g] . k[j] for n slots (k rows ks apart, D % 4 == 0): 4 slots per vector, 4 lanes each
 template <int G>
-void scores(const bf16* k, int64_t ks, int64_t n, const float* q, int64_t D, float* out) {
+void scores(const bf16* k, int64_t ks, const bf16* v, int64_t vs, int64_t n, const float* q, int64_t D, float* out) {
   int64_t j = 0;
   for (; j + 4 <= n; j += 4) {
+    for (int64_t i = j + PREFETCH_SLOTS; i < std::min(j + PREFETCH_SLOTS + 4, n); ++i) prefetch_span(k + i * ks, D * 2);
+    for (int64_t i = j; i < j + 4; ++i) prefetch_span<_MM_HINT_T1>(v + i * vs, D * 2);  // for weigh (row_attention.h)
     __m512 acc[G];  // per head: [slot 0 lanes 0..3 | slot 1 | slot 2 | slot 3]
     for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
     for (int64_t d = 0; d < D; d += 4) {
@@ -182,9 +186,10 @@ void heads(const bf16* q, const bf16* k, int64_t ks, const bf16* v, int64_t vs, 
   float run_max[G], run_sum[G];
   for (int g = 0; g < G; ++g) run_max[g] = -std::numeric_limits<float>::infinity(), run_sum[g] = 0.f;
   std::fill(w.dst.begin(), w.dst.end(), 0.f);
+  for (int64_t j = 0; j < std::min(PREFETCH_SLOTS, L); ++j) prefetch_span(k + j * ks, D * 2);
   for (int64_t n0 = 0; n0 < L; n0 += KV_SPLIT) {
     const int64_t nb = std::min(KV_SPLIT, L - n0);
-    scores<G>(k + n0 * ks, ks, nb, w.qf.data(), D, w.s.data());
+    scores<G>(k + n0 * ks, ks, v + n0 * vs, vs, nb, w.qf.data(), D, w.s.data());
     for (int g = 0; g < G; ++g) {
       float* sg = w.s.data() + g * KV_SPLIT;
       const float block_max = std::max(run_max[g], scale_max(sg, nb, scale));
@@ -237,6 +242,9 @@ torch::Tensor exact_row(torch::Tensor q, torch::Tensor k, torch::Tensor v, c10::
   float* lp = lse.has_value() ? lse->data_ptr<float>() : nullptr;
   const int64_t group = H / KV, passes = (group + 3) / 4;  // each kv head's query heads, in passes of <= 4
   for (int64_t g = 0, h = 0; g < KV; ++g) {
+    if (g + 1 < KV)  // the next kv head's first keys towards L2 while this one runs
+      for (int64_t j = 0; j < std::min(2 * PREFETCH_SLOTS, L); ++j)
+        prefetch_span<_MM_HINT_T1>(kp + (g + 1) * k.stride(1) + j * k.stride(2), D * 2);
     for (int64_t i = 0; i < passes; ++i) {
       const int64_t n = group / passes + (i < group % passes ? 1 : 0);
       HEADS[n](qp + h * D, kp + g * k.stride(1), k.stride(2), vp + g * v.stride(1), v.stride(2), L, D, sc, w, op + h * D,

@@ -40,12 +40,15 @@ inline __m256 dot_lanes(const float* q, const T* kr, int64_t D) {
 // Scores of G query heads (q: [G, D]) against every slot of one kv head (k: [S, D]), times scale,
 // into s[g * stride + j]: each one dot_lanes reduced by hsum, eight slots per reduction.
 template <typename T>
-void scores(const float* q, int64_t G, int64_t D, const T* k, const Slots& sl, float scale, float* s,
+void scores(const float* q, int64_t G, int64_t D, const T* k, const T* v, const Slots& sl, float scale, float* s,
             int64_t stride) {
   const int64_t n = sl.count();
   const __m256 sv = _mm256_set1_ps(scale);
   int64_t j = 0;
+  prefetch_rows(k, sl, 0, PREFETCH_SLOTS, D, 0, D);
   for (; j + 8 <= n; j += 8) {
+    prefetch_rows(k, sl, j + PREFETCH_SLOTS, j + PREFETCH_SLOTS + 8, D, 0, D);  // (row_attention.h)
+    prefetch_rows<_MM_HINT_T1>(v, sl, j, j + 8, D, 0, D);
     const T* kr[8];
     for (int i = 0; i < 8; ++i) kr[i] = k + sl[j + i] * D;
     for (int64_t g = 0; g < G; ++g) {
@@ -61,7 +64,7 @@ void scores(const float* q, int64_t G, int64_t D, const T* k, const Slots& sl, f
 // o_g[0 .. D) = sum_j p_g[j] v[slot j] / total_g for GN query heads at once (p_g = p + g * stride,
 // o_g = o + g * D): one pass over the values per CW columns (GN x CW / 8 accumulators, at most 12,
 // so that they, the GN weights and a value vector fit the 16 registers), each column of each head
-// one FMA chain in slot order from 0. Each pass prefetches the value rows 8 slots ahead.
+// one FMA chain in slot order from 0. Each pass prefetches the value rows PREFETCH_SLOTS ahead.
 template <int GN, int CW, typename T>
 void weighted_values(const float* p, int64_t stride, const float* total, int64_t D, const T* v, const Slots& sl,
                      float* o) {
@@ -71,8 +74,9 @@ void weighted_values(const float* p, int64_t stride, const float* total, int64_t
     __m256 a[GN][NV];
     for (int g = 0; g < GN; ++g)
       for (int c = 0; c < NV; ++c) a[g][c] = _mm256_setzero_ps();
+    prefetch_rows(v, sl, 0, PREFETCH_SLOTS, D, d, CW);
     for (int64_t j = 0; j < n; ++j) {
-      if (j + 8 < n) _mm_prefetch(reinterpret_cast<const char*>(v + sl[j + 8] * D + d), _MM_HINT_T0);
+      if (j + PREFETCH_SLOTS < n) prefetch_span(v + sl[j + PREFETCH_SLOTS] * D + d, CW * sizeof(T));
       const T* vr = v + sl[j] * D + d;
       __m256 w[GN];
       for (int g = 0; g < GN; ++g) w[g] = _mm256_set1_ps(p[g * stride + j]);
@@ -116,7 +120,12 @@ void attend_rows(const RowArgs& a, const T* kp, const T* vp, int64_t T_rows) {
       const Slots sl{a.start[t], a.len[t], a.extra ? a.extra + a.off[t] : nullptr, a.off[t + 1] - a.off[t]};
       const int64_t n = sl.count(), stride = (n + 7) / 8 * 8;
       s.assign(a.G * stride, 0.0f);
-      scores(a.q + (t * a.H + h * a.G) * a.D, a.G, a.D, kp + h * a.ks, sl, a.scale, s.data(), stride);
+      if (i + 1 < T_rows * a.KV) {  // the next (row, kv head)'s first keys towards L2 meanwhile
+        const int64_t t1 = (i + 1) / a.KV;
+        const Slots next{a.start[t1], a.len[t1], a.extra ? a.extra + a.off[t1] : nullptr, a.off[t1 + 1] - a.off[t1]};
+        prefetch_rows<_MM_HINT_T1>(kp + (i + 1) % a.KV * a.ks, next, 0, 2 * PREFETCH_SLOTS, a.D, 0, a.D);
+      }
+      scores(a.q + (t * a.H + h * a.G) * a.D, a.G, a.D, kp + h * a.ks, vp + h * a.vs, sl, a.scale, s.data(), stride);
       for (int64_t g = 0; g < a.G; ++g) total[g] = softmax_weights(s.data() + g * stride, n);
       all_values(s.data(), stride, total.data(), a.G, a.D, vp + h * a.vs, sl, a.o + (t * a.H + h * a.G) * a.D);
     }

@@ -53,11 +53,39 @@ inline __m512 load16(const uint16_t* p) {
 }
 #endif
 
+// How far ahead (in slots) the attention kernels prefetch the keys they are about to read. A step's
+// K/V mostly comes from memory (16 sequences at 256 slots: 94 MB a step), each kv head's slots two
+// short contiguous streams of a few KB that the hardware prefetcher alone starts late on and drops
+// at page boundaries. So the keys go towards L1 PREFETCH_SLOTS ahead of the scores, the values
+// towards L2 as the scores pass reads the same slots' keys (the values pass follows it), and the
+// next kv head's first keys towards L2 while this one runs. Hints only: no value changes. Measured
+// on a 2-core Zen 4 EPYC, one thread, 16 one-row sequences x 30 layers of SmolLM2's 9 x 3 x 64 from
+// cold pools: 24.4 -> 17.5 us per (sequence, layer) at 256 slots, 14.0 -> 9.2 at 128 (8 and 32
+// slots ahead, or the values only towards L1 as they are read, gained less).
+constexpr int64_t PREFETCH_SLOTS = 16;
+
+// Every cache line of [p, p + bytes) towards L1 (T0) or L2 (T1); p 64-byte aligned, as a pool row of
+// bf16 or float32 head dims of 32s is (a row that started mid-line would leave its last line to the
+// hardware prefetcher).
+template <int Hint = _MM_HINT_T0>
+__attribute__((always_inline)) inline void prefetch_span(const void* p, int64_t bytes) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < bytes; b += 64) _mm_prefetch(c + b, static_cast<_mm_hint>(Hint));
+}
+
 struct Slots {  // the slots one row sees, in order
   const int64_t start, len, *extra, n_extra;
   int64_t count() const { return len + n_extra; }
   int64_t operator[](int64_t j) const { return j < len ? start + j : extra[j - len]; }
 };
+
+// Slot rows [j0, min(j1, n)) of a [S, D] head towards L1 or L2 (columns [d0, d0 + w) of each).
+template <int Hint = _MM_HINT_T0, typename T>
+__attribute__((always_inline)) inline void prefetch_rows(const T* base, const Slots& sl, int64_t j0, int64_t j1, int64_t D,
+                                                         int64_t d0, int64_t w) {
+  const int64_t end = std::min(j1, sl.count());
+  for (int64_t j = j0; j < end; ++j) prefetch_span<Hint>(base + sl[j] * D + d0, w * static_cast<int64_t>(sizeof(T)));
+}
 
 // hsum of eight vectors at once, lane i = hsum(r[i]) bitwise: the same additions in the same
 // pairing ((v0 + v4) + (v2 + v6)) + ((v1 + v5) + (v3 + v7)), eight dot products per shuffle.

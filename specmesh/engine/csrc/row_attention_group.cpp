@@ -111,10 +111,13 @@ struct Query {  // one (row, query head) of a group
 // Scores of every query over slots [0, shared) (the same pool slots for all), then each one's own
 // further slots: 8 at a time where 8 remain, then one by one.
 template <typename T>
-void group_scores(std::vector<Query>& qs, int64_t shared, const T* k, int64_t D, float scale, float* kb) {
+void group_scores(std::vector<Query>& qs, int64_t shared, const T* k, const T* v, int64_t D, float scale, float* kb) {
   const __m256 sv = _mm256_set1_ps(scale);
   const int64_t full = shared / 8 * 8;
+  prefetch_rows(k, qs[0].sl, 0, std::min<int64_t>(PREFETCH_SLOTS, shared), D, 0, D);
   for (int64_t j = 0; j < full; j += 8) {
+    prefetch_rows(k, qs[0].sl, j + PREFETCH_SLOTS, std::min(j + PREFETCH_SLOTS + 8, shared), D, 0, D);
+    prefetch_rows<_MM_HINT_T1>(v, qs[0].sl, j, j + 8, D, 0, D);
     widen8(k, qs[0].sl, j, D, kb);
     for (auto& x : qs) scores8(x.q, kb, D, sv, x.s + j);
   }
@@ -134,10 +137,11 @@ void group_scores(std::vector<Query>& qs, int64_t shared, const T* k, int64_t D,
 template <int NQ, int NV, typename T>
 void values_span(Query* qs, const T* v, const Slots& sl, int64_t j0, int64_t j1, int64_t D, int64_t d, bool last) {
   __m512 a[NQ][NV];
+  prefetch_rows(v, sl, j0, std::min(j0 + PREFETCH_SLOTS, j1), D, d, 16 * NV);
   for (int g = 0; g < NQ; ++g)
     for (int c = 0; c < NV; ++c) a[g][c] = j0 ? _mm512_loadu_ps(qs[g].o + d + 16 * c) : _mm512_setzero_ps();
   for (int64_t j = j0; j < j1; ++j) {
-    if (j + 8 < j1) _mm_prefetch(reinterpret_cast<const char*>(v + sl[j + 8] * D + d), _MM_HINT_T0);
+    if (j + PREFETCH_SLOTS < j1) prefetch_span(v + sl[j + PREFETCH_SLOTS] * D + d, 16 * NV * sizeof(T));
     const T* vr = v + sl[j] * D + d;
     __m512 x[NV];
     for (int c = 0; c < NV; ++c) x[c] = load16(vr + 16 * c);
@@ -210,7 +214,7 @@ static void attend_group(const RowArgs& a, const T* k, const T* v, int64_t t0, i
       qs.push_back({a.q + at, a.o + at, s.data() + ((t - t0) * a.G + g) * stride, sl, 0.0f});
     }
   }
-  group_scores(qs, shared, k, a.D, a.scale, kb.data());
+  group_scores(qs, shared, k, v, a.D, a.scale, kb.data());
   for (auto& x : qs) x.total = softmax16(x.s, x.sl.count());
   group_values(qs, shared, v, a.D);
 }
@@ -227,6 +231,11 @@ static void attend_groups_t(const RowArgs& a, const T* k, const T* v, int64_t T_
     std::vector<Query> qs;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / a.KV, h = i % a.KV;
+      if (i + 1 < groups * a.KV) {  // the next (group, kv head)'s first keys towards L2 meanwhile
+        const int64_t t1 = first[(i + 1) / a.KV];
+        const Slots next{a.start[t1], a.len[t1], a.extra ? a.extra + a.off[t1] : nullptr, a.off[t1 + 1] - a.off[t1]};
+        prefetch_rows<_MM_HINT_T1>(k + (i + 1) % a.KV * a.ks, next, 0, 2 * PREFETCH_SLOTS, a.D, 0, a.D);
+      }
       attend_group(a, k + h * a.ks, v + h * a.vs, first[g], first[g + 1], h, s, kb, qs);
     }
   });
