@@ -38,12 +38,27 @@ def test_empty_or_instant_rounds_teach_nothing():
 
 
 def test_gate_turns_a_losing_drafter_off_but_probes_it_every_nth_round():
-    book = PaceBook(min_rounds=2, every=4)
+    book = PaceBook(min_rounds=2, every=4, every_max=4)  # no back-off: a probe every 4th round
     _rounds(book, "block", True, 0.06, 1, 2)
     _rounds(book, "block", False, 0.04, 1, 2)
     got = [book.gate("block", 3) for _ in range(8)]
     assert got == [0, 0, 0, 3, 0, 0, 0, 3]  # the 4th and 8th drafting choices draft anyway
     assert book.gate("block", 0) == 0 and book.gate("ngram", 2) == 2  # k = 0 stays; another drafter is free
+
+
+def test_each_probe_that_finds_the_drafter_still_losing_doubles_the_wait_for_the_next():
+    book = PaceBook(min_rounds=2, every=4, every_max=32, stale=1000)
+    _rounds(book, "block", True, 0.06, 1, 2)
+    _rounds(book, "block", False, 0.04, 1, 2)  # drafting: 60 ms a token against 40
+    got = [book.gate("block", 3) for _ in range(130)]
+    assert [i + 1 for i, k in enumerate(got) if k] == [4, 12, 28, 60, 92, 124]  # waits 8, 16, 32, then 32
+    assert sum(1 for k in got if k) == 6  # against 32 at a fixed 1 in 4
+    _rounds(book, "block", True, 0.02, 1, 30)  # drafting pays now (20 ms a token)
+    got = [book.gate("block", 3) for _ in range(8)]
+    assert got == [3] * 8  # paying: drafts every round, and the back-off is gone
+    _rounds(book, "block", True, 0.06, 1, 30)  # losing again: probes every 4th round first
+    got = [book.gate("block", 3) for _ in range(12)]
+    assert [i for i, k in enumerate(got) if k] == [1, 9]  # ticks 140 (a multiple of 4), then 8 later
 
 
 def test_gate_measures_the_target_alone_now_and_then_while_it_is_unknown_or_stale():
@@ -83,7 +98,7 @@ def test_a_probe_of_a_losing_drafter_drafts_several_rounds_in_a_row():
     from specmesh.core.pace import PROBE_ROUNDS
 
     book = RateBook()
-    book.pace = PaceBook(min_rounds=1, every=4)
+    book.pace = PaceBook(min_rounds=1, every=4, every_max=4)  # no back-off
     book.pace.observe("ngram", True, 0.30, 1)  # 300 ms a drafting round: a loss at any expected tokens (<= 9)
     book.pace.observe("ngram", False, 0.03, 1)
     rp = RoundPolicy(k_max=8, rate_book=book)
