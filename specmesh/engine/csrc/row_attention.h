@@ -60,7 +60,7 @@ inline __m512 load16(const uint16_t* p) {
 // towards L2 as the scores pass reads the same slots' keys (the values pass follows it), and the
 // next kv head's first keys towards L2 while this one runs. Hints only: no value changes. Measured
 // on a 2-core Zen 4 EPYC, one thread, 16 one-row sequences x 30 layers of SmolLM2's 9 x 3 x 64 from
-// cold pools: 24.4 -> 17.5 us per (sequence, layer) at 256 slots, 14.0 -> 9.2 at 128 (8 and 32
+// cold pools: 22.5 -> 18.1 us per (sequence, layer) at 256 slots, 14.1 -> 9.8 at 128 (8 and 32
 // slots ahead, or the values only towards L1 as they are read, gained less).
 constexpr int64_t PREFETCH_SLOTS = 16;
 
