@@ -15,13 +15,14 @@ that drafter, which drafts anyway (the request then drafts PROBE_ROUNDS rounds i
 arm keeps being measured. Each probe that finds the drafter still losing doubles the wait for the
 next one, up to `every_max` rounds; the first round that finds it paying resets it to `every`. A
 fixed 1-in-16 probe of 3 rounds drafted in ~17% of a losing drafter's rounds: at concurrency 4 on
-a 2-core Zen 4 the block tree drafted in 22% of its rounds at ~1.03 tokens a step, 0.89-0.91x AR
-(sessions 47-48), where the gate meant it to run as the target alone. And every `every`-th drafting round runs with k = 0 while the target
-alone's arm has fewer than `min_rounds` rounds or has not been measured for `stale` rounds of the
-drafter, so both arms stay current as load moves. A request's drafting round right after a round
-that did not draft (its first, or after k = 0) is not counted: it waits for a draft that steady
-drafting has ready (the block drafter's table), so counting it biased a probe against drafting
-(a first version turned the block tree off at concurrency 1, where it paid 1.10x).
+a 2-core Zen 4 the block tree drafted in 17-22% of its rounds at ~1.03 tokens a step, 0.85-0.94x
+AR (sessions 47-48), where the gate meant it to run as the target alone. And every `every`-th
+drafting round runs with k = 0 while the target alone's arm has fewer than `min_rounds` rounds or
+has not been measured for `stale` rounds of the drafter, so both arms stay current as load moves.
+A request's drafting round right after a round that did not draft (its first, or after k = 0) is
+not counted: it waits for a draft that steady drafting has ready (the block drafter's table), so
+counting it biased a probe against drafting (a first version turned the block tree off at
+concurrency 1, where it paid 1.10x).
 
 A chain round's drafting seconds per token are priced at the request's own expected tokens (its
 goodput rates at the chosen k) over the drafting arm's seconds a round, not at the tokens all

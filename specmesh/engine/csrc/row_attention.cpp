@@ -117,14 +117,10 @@ void attend_rows(const RowArgs& a, const T* kp, const T* vp, int64_t T_rows) {
     std::vector<float> s, total(a.G);
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t t = i / a.KV, h = i % a.KV;
-      const Slots sl{a.start[t], a.len[t], a.extra ? a.extra + a.off[t] : nullptr, a.off[t + 1] - a.off[t]};
+      const Slots sl = a.slots(t);
       const int64_t n = sl.count(), stride = (n + 7) / 8 * 8;
       s.assign(a.G * stride, 0.0f);
-      if (i + 1 < T_rows * a.KV) {  // the next (row, kv head)'s first keys towards L2 meanwhile
-        const int64_t t1 = (i + 1) / a.KV;
-        const Slots next{a.start[t1], a.len[t1], a.extra ? a.extra + a.off[t1] : nullptr, a.off[t1 + 1] - a.off[t1]};
-        prefetch_rows<_MM_HINT_T1>(kp + (i + 1) % a.KV * a.ks, next, 0, 2 * PREFETCH_SLOTS, a.D, 0, a.D);
-      }
+      if (i + 1 < T_rows * a.KV) prefetch_first_keys(a, kp, (i + 1) / a.KV, (i + 1) % a.KV);  // the next task's
       scores(a.q + (t * a.H + h * a.G) * a.D, a.G, a.D, kp + h * a.ks, vp + h * a.vs, sl, a.scale, s.data(), stride);
       for (int64_t g = 0; g < a.G; ++g) total[g] = softmax_weights(s.data() + g * stride, n);
       all_values(s.data(), stride, total.data(), a.G, a.D, vp + h * a.vs, sl, a.o + (t * a.H + h * a.G) * a.D);

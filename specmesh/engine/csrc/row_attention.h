@@ -135,6 +135,17 @@ struct RowArgs {  // one step's rows: float32 queries and output, slot lists, sh
   const int64_t *start, *len, *off, *extra;
   int64_t H, D, KV, G, ks, vs;
   float scale;
+
+  Slots slots(int64_t t) const {  // the slots row t sees
+    return {start[t], len[t], extra ? extra + off[t] : nullptr, off[t + 1] - off[t]};
+  }
 };
+
+// The first keys row t sees in kv head h (k: the pool's heads, ks apart) towards L2: the next task's,
+// while this one runs (the prefetch comment above).
+template <typename T>
+inline void prefetch_first_keys(const RowArgs& a, const T* k, int64_t t, int64_t h) {
+  prefetch_rows<_MM_HINT_T1>(k + h * a.ks, a.slots(t), 0, 2 * PREFETCH_SLOTS, a.D, 0, a.D);
+}
 
 }  // namespace specmesh_attn

@@ -208,7 +208,7 @@ static void attend_group(const RowArgs& a, const T* k, const T* v, int64_t t0, i
   s.assign((t1 - t0) * a.G * stride, 0.0f);
   qs.clear();
   for (int64_t t = t0; t < t1; ++t) {
-    const Slots sl{a.start[t], a.len[t], a.extra ? a.extra + a.off[t] : nullptr, a.off[t + 1] - a.off[t]};
+    const Slots sl = a.slots(t);
     for (int64_t g = 0; g < a.G; ++g) {
       const int64_t at = (t * a.H + h * a.G + g) * a.D;
       qs.push_back({a.q + at, a.o + at, s.data() + ((t - t0) * a.G + g) * stride, sl, 0.0f});
@@ -231,11 +231,7 @@ static void attend_groups_t(const RowArgs& a, const T* k, const T* v, int64_t T_
     std::vector<Query> qs;
     for (int64_t i = i0; i < i1; ++i) {
       const int64_t g = i / a.KV, h = i % a.KV;
-      if (i + 1 < groups * a.KV) {  // the next (group, kv head)'s first keys towards L2 meanwhile
-        const int64_t t1 = first[(i + 1) / a.KV];
-        const Slots next{a.start[t1], a.len[t1], a.extra ? a.extra + a.off[t1] : nullptr, a.off[t1 + 1] - a.off[t1]};
-        prefetch_rows<_MM_HINT_T1>(k + (i + 1) % a.KV * a.ks, next, 0, 2 * PREFETCH_SLOTS, a.D, 0, a.D);
-      }
+      if (i + 1 < groups * a.KV) prefetch_first_keys(a, k, first[(i + 1) / a.KV], (i + 1) % a.KV);  // the next task's
       attend_group(a, k + h * a.ks, v + h * a.vs, first[g], first[g + 1], h, s, kb, qs);
     }
   });
